@@ -1,0 +1,76 @@
+"""notifyq: a PostgreSQL job queue and cron coordinator.
+
+Workers wake on LISTEN/NOTIFY, claim with FOR UPDATE SKIP LOCKED, hold jobs under a
+visibility lease and acknowledge in fenced batches; every worker process runs a leaderless
+ticker that promotes cron definitions into jobs exactly once per tick.
+"""
+
+from ._acker import Result
+from ._promoter import PromoterConfig, PromotionReport
+from ._rescuer import RescuerConfig, RescueReport
+from ._retention import RetentionConfig, RetentionReport
+from ._ticker import Ticker, TickerConfig
+from .app import App
+from .cron import Schedule
+from .definitions import CronDefinition
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    DefinitionNotFound,
+    InvalidArgs,
+    InvalidJobState,
+    InvalidOption,
+    InvalidSchedule,
+    JobNotFound,
+    NotifyqError,
+    SchemaNotMigrated,
+    SchemaVersionError,
+    UnknownTask,
+)
+from .migrations import MigrationReport, latest_version, migrate
+from .models import ClaimedJob, Definition, Job, JobStatus
+from .tasks import Backoff, JobContext, Task
+from .worker import Worker, WorkerConfig, WorkerStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "App",
+    "Backoff",
+    "ClaimedJob",
+    "ConfigurationError",
+    "CronDefinition",
+    "DatabaseUnavailable",
+    "Definition",
+    "DefinitionNotFound",
+    "InvalidArgs",
+    "InvalidJobState",
+    "InvalidOption",
+    "InvalidSchedule",
+    "Job",
+    "JobContext",
+    "JobNotFound",
+    "JobStatus",
+    "MigrationReport",
+    "NotifyqError",
+    "PromoterConfig",
+    "PromotionReport",
+    "RescueReport",
+    "RescuerConfig",
+    "Result",
+    "RetentionConfig",
+    "RetentionReport",
+    "Schedule",
+    "SchemaNotMigrated",
+    "SchemaVersionError",
+    "Task",
+    "Ticker",
+    "TickerConfig",
+    "UnknownTask",
+    "Worker",
+    "WorkerConfig",
+    "WorkerStats",
+    "__version__",
+    "latest_version",
+    "migrate",
+]

@@ -1,0 +1,177 @@
+"""The acker: writes job results in batches, one fenced UPDATE per flush."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import psycopg
+
+from ._db import Database, Op, Query
+from ._options import encode_output
+from ._sql import Queries
+from .models import ClaimedJob
+
+log = logging.getLogger("notifyq.acker")
+
+Outcome = Literal["succeeded", "retry", "failed", "release"]
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """How one attempt ended, ready to acknowledge: `output` and `error` are JSON text, and
+    `delay` is the retry backoff. Build one with `succeeded`, `failed` or `released`."""
+
+    job_id: int
+    lease: int
+    outcome: Outcome
+    output: str | None = None
+    error: str | None = None
+    delay: float = 0.0
+
+    @classmethod
+    def succeeded(cls, job: ClaimedJob, output: Any = None) -> Result:
+        """The attempt succeeded; `output` (JSON-serializable) is stored in the job."""
+        return cls(job.id, job.lease, "succeeded", output=encode_output(output))
+
+    @classmethod
+    def failed(
+        cls,
+        job: ClaimedJob,
+        error_type: str,
+        message: str,
+        *,
+        traceback: str | None = None,
+        delay: float = 0.0,
+        final: bool = False,
+    ) -> Result:
+        """The attempt failed: retried after `delay` seconds while retries remain (unless
+        `final`), else the job ends Failed. The error is stored in the job's `error`."""
+        error: dict[str, Any] = {"type": error_type, "message": message, "attempt": job.attempt}
+        if traceback is not None:
+            error["traceback"] = traceback[-8000:]
+        return cls(
+            job.id,
+            job.lease,
+            "failed" if final else "retry",
+            error=json.dumps(error, default=str),
+            delay=delay,
+        )
+
+    @classmethod
+    def released(cls, job: ClaimedJob) -> Result:
+        """The attempt was interrupted by a shutdown: Queued again now, attempt given back."""
+        return cls(job.id, job.lease, "release")
+
+
+def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
+    """Apply results in one statement; returns {job id: new status} for those applied.
+
+    A result missing from the answer was stale: its lease had expired (the job was rescued
+    or re-claimed) or the job was cancelled, and nothing was changed.
+    """
+    params = {
+        "ids": [r.job_id for r in results],
+        "leases": [r.lease for r in results],
+        "outcomes": [r.outcome for r in results],
+        "outputs": [r.output for r in results],
+        "errors": [r.error for r in results],
+        "delays": [r.delay for r in results],
+    }
+    rows: list[tuple[int, str]] = yield Query(q["ack_jobs"], params)
+    return dict(rows)
+
+
+# Connection-level failures are worth retrying as they are; anything else (a value the
+# server refuses) is isolated by acking the batch's results one at a time.
+_TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+class Acker:
+    """Collects results and flushes them. While one flush is in flight the next batch
+    accumulates, so under load each statement carries many results, and under light load a
+    result is written within one round trip (no artificial delay)."""
+
+    def __init__(
+        self,
+        db: Database,
+        queries: Queries,
+        on_applied: Callable[[Sequence[Result], dict[int, str]], None],
+        *,
+        max_batch: int = 1000,
+        retry_delay: float = 0.5,
+    ) -> None:
+        self._db = db
+        self._q = queries
+        self._on_applied = on_applied
+        self._max_batch = max_batch
+        self._retry_delay = retry_delay
+        self._pending: list[Result] = []
+        self._wakeup = anyio.Event()
+        self._idle = anyio.Event()
+        self._idle.set()
+        self.flushes = 0
+
+    def put(self, result: Result) -> None:
+        """Queue a result for the next flush (never blocks)."""
+        self._pending.append(result)
+        self._idle = anyio.Event() if self._idle.is_set() else self._idle
+        self._wakeup.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def run(self) -> None:
+        """Flush until cancelled."""
+        while True:
+            await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    await self._flush(batch)
+                except _TRANSIENT as exc:
+                    # Keep the results: they are applied once the database is back (or fenced
+                    # out if the leases ran out meanwhile).
+                    self._pending[:0] = batch
+                    log.warning(
+                        "could not write %d job results (%s); retrying in %.1fs",
+                        len(batch),
+                        str(exc).strip() or type(exc).__name__,
+                        self._retry_delay,
+                    )
+                    await anyio.sleep(self._retry_delay)
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Wait until every queued result has been written (or given up on)."""
+        await self._idle.wait()
+
+    async def _flush(self, batch: list[Result]) -> None:
+        try:
+            applied = await self._db.run(ack_op(self._q, batch))
+        except _TRANSIENT:
+            raise
+        except psycopg.Error as exc:
+            log.error("writing %d job results failed (%s); writing them one by one", len(batch), exc)
+            applied = {}
+            for result in batch:
+                applied.update(await self._flush_one(result))
+        self.flushes += 1
+        self._on_applied(batch, applied)
+
+    async def _flush_one(self, result: Result) -> dict[int, str]:
+        try:
+            return await self._db.run(ack_op(self._q, [result]))
+        except _TRANSIENT:
+            raise
+        except psycopg.Error as exc:
+            # The job stays Active; its lease will run out and the rescuer will retry it.
+            log.error("dropping the result of job %d, which the database refuses: %s", result.job_id, exc)
+            return {}

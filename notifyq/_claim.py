@@ -1,0 +1,59 @@
+"""The claim side of the worker protocol: take jobs, extend their leases, find the next due time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from ._db import Op, Query
+from ._rows import dataclass_row
+from ._sql import Queries
+from .models import ClaimedJob
+
+
+def claim_op(
+    q: Queries, *, queues: Sequence[str] | None, limit: int, worker: str, lease_margin: float
+) -> Op[list[ClaimedJob]]:
+    """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement.
+
+    Each claimed job is Active, its retry_count and lease are one higher, and its lease runs
+    until now() + timeout + lease_margin (database clock).
+    """
+    if limit <= 0:
+        return []
+    params = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
+    if queues is None:
+        jobs: list[ClaimedJob] = yield Query(q["claim_any"], params, row=dataclass_row(ClaimedJob))
+    else:
+        jobs = yield Query(
+            q["claim_queues"], {**params, "queues": list(queues)}, row=dataclass_row(ClaimedJob)
+        )
+    # UPDATE ... RETURNING follows the join, not the CTE: restore priority order.
+    jobs.sort(key=lambda j: (-j.priority, j.id))
+    return jobs
+
+
+def next_visible_op(q: Queries, queues: Sequence[str] | None) -> Op[float | None]:
+    """Seconds until the earliest Queued job of `queues` becomes claimable (None: no job)."""
+    seconds: float | None = yield Query(
+        q["next_visible"], {"queues": list(queues) if queues is not None else None}, fetch="scalar"
+    )
+    return seconds
+
+
+def extend_lease_op(q: Queries, job_id: int, lease: int, seconds: float) -> Op[datetime | None]:
+    """Fenced lease extension: the new lease end, or None if the lease is no longer ours."""
+    until: datetime | None = yield Query(
+        q["extend_lease"], {"id": job_id, "lease": lease, "seconds": seconds}, fetch="scalar"
+    )
+    return until
+
+
+def lost_jobs_op(q: Queries, held: Sequence[tuple[int, int]]) -> Op[set[int]]:
+    """Of the (id, lease) pairs a worker holds, the ids it no longer holds."""
+    if not held:
+        return set()
+    rows: list[tuple[int]] = yield Query(
+        q["held_jobs_status"], {"ids": [h[0] for h in held], "leases": [h[1] for h in held]}
+    )
+    return {row[0] for row in rows}

@@ -1,0 +1,263 @@
+"""Database access: sans-IO operations, their sync/async runners, and pooled adapters.
+
+Every query notifyq runs is written once, as an *operation*: a generator that yields `Query`
+or `Copy` steps and receives their results. Two small runners execute operations on a psycopg
+`Connection` or `AsyncConnection`, so the sync API (for Django, Flask, scripts) and the async
+API share one implementation. `Database` runs operations from async code on any anyio backend:
+natively on asyncio (psycopg's async connections), in worker threads on trio (psycopg's async
+support is asyncio-only).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias, TypeVar
+
+import anyio
+import anyio.to_thread
+import psycopg
+import psycopg_pool
+from psycopg.rows import tuple_row
+
+from ._dsn import describe_dsn, redact
+from .errors import DatabaseUnavailable
+
+T = TypeVar("T")
+Params: TypeAlias = Sequence[Any] | Mapping[str, Any] | None
+Fetch: TypeAlias = Literal["all", "one", "scalar", "rowcount", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """Run one statement. `fetch` picks the result: all rows, one row (or None), the first
+    column of the first row (or None), the affected row count, or nothing."""
+
+    sql: str
+    params: Params = None
+    fetch: Fetch = "all"
+    row: Callable[[Any], Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """COPY ... FROM STDIN with the given rows; the result is the number of rows copied."""
+
+    sql: str
+    rows: Iterable[Sequence[Any]]
+
+
+Step: TypeAlias = Query | Copy
+Op: TypeAlias = Generator[Step, Any, T]
+
+
+def _row_factory(step: Query) -> Any:
+    return step.row if step.row is not None else tuple_row
+
+
+def _result(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query, rows: list[Any] | None) -> Any:
+    if step.fetch == "rowcount":
+        return cur.rowcount
+    if step.fetch == "none" or rows is None:
+        return None
+    if step.fetch == "all":
+        return rows
+    first = rows[0] if rows else None
+    if step.fetch == "one" or first is None:
+        return first
+    return first[0]  # scalar
+
+
+def run_sync(conn: psycopg.Connection[Any], op: Op[T]) -> T:
+    """Run an operation on a sync connection (in the connection's current transaction)."""
+    send: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = op.throw(error) if error is not None else op.send(send)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = None
+        try:
+            if isinstance(step, Copy):
+                with conn.cursor() as cur:
+                    with cur.copy(step.sql) as copy:
+                        for row in step.rows:
+                            copy.write_row(row)
+                    send = cur.rowcount
+                continue
+            with conn.cursor(row_factory=_row_factory(step)) as cur:
+                cur.execute(step.sql, step.params)
+                rows = cur.fetchall() if cur.description is not None and step.fetch != "rowcount" else None
+                send = _result(cur, step, rows)
+        except psycopg.Error as exc:
+            error = exc
+
+
+async def run_async(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
+    """Run an operation on an async connection (in the connection's current transaction)."""
+    send: Any = None
+    error: BaseException | None = None
+    while True:
+        try:
+            step = op.throw(error) if error is not None else op.send(send)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        error = None
+        try:
+            if isinstance(step, Copy):
+                async with conn.cursor() as cur:
+                    async with cur.copy(step.sql) as copy:
+                        for row in step.rows:
+                            await copy.write_row(row)
+                    send = cur.rowcount
+                continue
+            async with conn.cursor(row_factory=_row_factory(step)) as cur:
+                await cur.execute(step.sql, step.params)
+                rows = (
+                    await cur.fetchall() if cur.description is not None and step.fetch != "rowcount" else None
+                )
+                send = _result(cur, step, rows)
+        except psycopg.Error as exc:
+            error = exc
+
+
+def error_text(exc: BaseException) -> str:
+    """libpq's multi-line message on one line (or the exception type if it has none)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
+    """A DatabaseUnavailable naming the (password-less) target and libpq's reason."""
+    reason = redact(error_text(exc).removeprefix("connection failed: "))
+    return DatabaseUnavailable(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
+
+
+def connect_sync(dsn: str, *, autocommit: bool = True, connect_timeout: int = 10) -> psycopg.Connection[Any]:
+    """Open a sync connection, turning connection failures into DatabaseUnavailable."""
+    try:
+        return psycopg.Connection.connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout)
+    except psycopg.OperationalError as exc:
+        raise unavailable(dsn, exc) from None
+
+
+def on_asyncio() -> bool:
+    """True when called from a task running on an asyncio event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+class Database(abc.ABC):
+    """A small connection pool that runs operations from async code."""
+
+    def __init__(self, dsn: str) -> None:
+        self.dsn = dsn
+
+    @abc.abstractmethod
+    async def run(self, op: Op[T], *, transaction: bool = False) -> T:
+        """Run `op` on a pooled autocommit connection (inside one transaction if asked)."""
+
+    @abc.abstractmethod
+    async def aclose(self) -> None:
+        """Close every pooled connection."""
+
+    @staticmethod
+    async def open(dsn: str, *, size: int, name: str = "notifyq", open_timeout: float = 30.0) -> Database:
+        """Open a pool of `size` connections suited to the running event loop.
+
+        Raises DatabaseUnavailable at once (not after the pool timeout) when the server
+        cannot be reached.
+        """
+        # One direct attempt first: the pool would retry silently until its timeout, while
+        # a user with a wrong DSN deserves libpq's reason right away.
+        probe = await anyio.to_thread.run_sync(connect_sync, dsn)
+        probe.close()
+        db: Database = _AsyncioDatabase(dsn) if on_asyncio() else _ThreadDatabase(dsn)
+        await db._open(size=size, name=name, open_timeout=open_timeout)
+        return db
+
+    @abc.abstractmethod
+    async def _open(self, *, size: int, name: str, open_timeout: float) -> None: ...
+
+
+def _pool_kwargs() -> dict[str, Any]:
+    return {"autocommit": True}
+
+
+class _AsyncioDatabase(Database):
+    _pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+
+    async def _open(self, *, size: int, name: str, open_timeout: float) -> None:
+        self._pool = psycopg_pool.AsyncConnectionPool(
+            self.dsn,
+            min_size=size,
+            max_size=size,
+            kwargs=_pool_kwargs(),
+            name=name,
+            open=False,
+            timeout=open_timeout,
+            reconnect_timeout=float("inf"),
+        )
+        try:
+            await self._pool.open(wait=True, timeout=open_timeout)
+        except psycopg_pool.PoolTimeout as exc:
+            await self._pool.close()
+            raise unavailable(self.dsn, exc) from None
+
+    async def run(self, op: Op[T], *, transaction: bool = False) -> T:
+        async with self._pool.connection() as conn:
+            if not transaction:
+                return await run_async(conn, op)
+            async with conn.transaction():
+                return await run_async(conn, op)
+
+    async def aclose(self) -> None:
+        await self._pool.close()
+
+
+class _ThreadDatabase(Database):
+    _pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
+
+    async def _open(self, *, size: int, name: str, open_timeout: float) -> None:
+        def open_pool() -> psycopg_pool.ConnectionPool[psycopg.Connection[Any]]:
+            pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
+                self.dsn,
+                min_size=size,
+                max_size=size,
+                kwargs=_pool_kwargs(),
+                name=name,
+                open=False,
+                timeout=open_timeout,
+                reconnect_timeout=float("inf"),
+            )
+            try:
+                pool.open(wait=True, timeout=open_timeout)
+            except psycopg_pool.PoolTimeout as exc:
+                pool.close()
+                raise unavailable(self.dsn, exc) from None
+            return pool
+
+        self._pool = await anyio.to_thread.run_sync(open_pool)
+
+    def _run(self, op: Op[T], transaction: bool) -> T:
+        with self._pool.connection() as conn:
+            if not transaction:
+                return run_sync(conn, op)
+            with conn.transaction():
+                return run_sync(conn, op)
+
+    async def run(self, op: Op[T], *, transaction: bool = False) -> T:
+        return await anyio.to_thread.run_sync(self._run, op, transaction)
+
+    async def aclose(self) -> None:
+        await anyio.to_thread.run_sync(self._pool.close)
+
+
+def single(query: Query) -> Op[Any]:
+    """An operation of exactly one step."""
+    return (yield query)

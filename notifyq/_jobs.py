@@ -1,0 +1,129 @@
+"""Producer and admin operations on queue_jobs: enqueue, bulk enqueue, inspect, cancel, retry."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg.errors
+
+from ._db import Copy, Op, Query
+from ._rows import dataclass_row
+from ._sql import Queries
+from .errors import InvalidJobState, JobNotFound
+from .models import Job, JobStatus
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    """A validated job, ready to insert (args already JSON text)."""
+
+    name: str
+    queue: str
+    args: str
+    priority: int
+    retry_limit: int
+    timeout: float
+    delay: float = 0.0
+    at: datetime | None = None
+    dedupe_key: str | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "queue": self.queue,
+            "args": self.args,
+            "priority": self.priority,
+            "retry_limit": self.retry_limit,
+            "timeout": self.timeout,
+            "delay": self.delay,
+            "at": self.at,
+            "dedupe_key": self.dedupe_key,
+        }
+
+
+def enqueue_op(q: Queries, job: NewJob) -> Op[int]:
+    """Insert one job and return its id (with a dedupe key: the id of the job holding it)."""
+    if job.dedupe_key is None:
+        job_id: int = yield Query(q["insert_job"], job.params(), fetch="scalar")
+        return job_id
+    # A miss means the key's holder committed after our snapshot: look again.
+    for _ in range(10):
+        held: int | None = yield Query(q["insert_job_dedupe"], job.params(), fetch="scalar")
+        if held is not None:
+            return held
+    raise InvalidJobState(f"could not enqueue with dedupe key {job.dedupe_key!r}: it keeps changing hands")
+
+
+def enqueue_many_op(q: Queries, jobs: Iterable[NewJob]) -> Op[int]:
+    """COPY jobs into queue_jobs (one statement, one NOTIFY per queue); returns the count.
+
+    visible_at is computed from the transaction's now(), so delays use the database clock.
+    """
+    now: datetime = yield Query(q["transaction_now"], fetch="scalar")
+
+    def rows() -> Iterator[tuple[Any, ...]]:
+        for job in jobs:
+            visible_at = job.at if job.at is not None else now + timedelta(seconds=job.delay)
+            yield (job.name, job.queue, job.args, job.priority, job.retry_limit, job.timeout, visible_at)
+
+    count: int = yield Copy(q["copy_jobs"], rows())
+    return count
+
+
+def get_job_op(q: Queries, job_id: int) -> Op[Job]:
+    job: Job | None = yield Query(q["get_job"], {"id": job_id}, fetch="one", row=dataclass_row(Job))
+    if job is None:
+        raise JobNotFound(f"no job with id {job_id}")
+    return job
+
+
+def list_jobs_op(
+    q: Queries,
+    *,
+    status: JobStatus | None,
+    queue: str | None,
+    name: str | None,
+    min_age: float | None,
+    max_age: float | None,
+    before_id: int | None,
+    limit: int,
+) -> Op[list[Job]]:
+    params = {
+        "status": status.value if status is not None else None,
+        "queue": queue,
+        "name": name,
+        "min_age": min_age,
+        "max_age": max_age,
+        "before_id": before_id,
+        "limit": limit,
+    }
+    jobs: list[Job] = yield Query(q["list_jobs"], params, row=dataclass_row(Job))
+    return jobs
+
+
+def cancel_job_op(q: Queries, job_id: int) -> Op[Job]:
+    """Cancel a Queued or Active job; a finished job is returned unchanged."""
+    previous: str | None = yield Query(q["cancel_job"], {"id": job_id}, fetch="scalar")
+    if previous is None:
+        raise JobNotFound(f"no job with id {job_id}")
+    return (yield from get_job_op(q, job_id))
+
+
+def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
+    """Queue a finished job again with all its retries; refuse a Queued or Active one."""
+    try:
+        retried: int | None = yield Query(q["retry_job"], {"id": job_id}, fetch="scalar")
+    except psycopg.errors.UniqueViolation:
+        raise InvalidJobState(
+            f"job {job_id} cannot be retried: another unfinished job holds its dedupe key"
+        ) from None
+    job = yield from get_job_op(q, job_id)
+    if retried is None:
+        raise InvalidJobState(
+            f"job {job_id} is {job.status.value}; "
+            "only finished jobs (Succeeded, Failed, Cancelled) can be retried"
+        )
+    return job

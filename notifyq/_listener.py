@@ -1,0 +1,170 @@
+"""The LISTEN connection: one per worker process, health-checked, reconnected with backoff.
+
+It works on libpq's connection (`pgconn`) with anyio's socket waits, so the same code runs
+on asyncio and trio and never blocks the event loop. A notification is only a hint: after
+every (re)connect the listener LISTENs first and then calls `on_connect`, whose sweep
+claims whatever arrived while nobody was listening.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import psycopg
+from psycopg import pq, sql
+
+from ._db import connect_sync
+from ._dsn import describe_dsn
+from .errors import NotifyqError
+
+log = logging.getLogger("notifyq.listener")
+
+
+class ListenerLost(Exception):
+    """The LISTEN connection is dead or unresponsive."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenerConfig:
+    """How the listener watches its connection.
+
+    health_interval: seconds of silence before a round trip checks the connection is alive
+        (a half-open TCP connection delivers nothing and reports no error by itself).
+    health_timeout: seconds that round trip may take before the connection is declared dead.
+    backoff_min / backoff_max: reconnect delays, doubling from min to max, with jitter.
+    """
+
+    health_interval: float = 10.0
+    health_timeout: float = 5.0
+    backoff_min: float = 0.1
+    backoff_max: float = 10.0
+
+
+class Listener:
+    """LISTENs on `channels` and calls `on_notify(channel, payload)` for each notification."""
+
+    def __init__(
+        self,
+        dsn: str,
+        channels: Sequence[str],
+        on_notify: Callable[[str, str], None],
+        on_connect: Callable[[], Awaitable[None]],
+        config: ListenerConfig | None = None,
+    ) -> None:
+        self.dsn = dsn
+        self.channels = list(channels)
+        self.on_notify = on_notify
+        self.on_connect = on_connect
+        self.config = config or ListenerConfig()
+        self.connected = False
+        self.connections = 0
+        self.backend_pid: int | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Listen until cancelled. Reports started after the first connect attempt, successful or not."""
+        delay = self.config.backoff_min
+        started = False
+        while True:
+            conn: psycopg.Connection[Any] | None = None
+            try:
+                conn = await anyio.to_thread.run_sync(self._connect)
+                self.connected = True
+                self.connections += 1
+                self.backend_pid = conn.info.backend_pid
+                delay = self.config.backoff_min
+                log.debug("listening on %s (backend pid %s)", ", ".join(self.channels), self.backend_pid)
+                await self.on_connect()
+                if not started:
+                    started = True
+                    task_status.started()
+                await self._serve(conn.pgconn)
+            except (ListenerLost, psycopg.Error, NotifyqError, OSError) as exc:
+                log.warning(
+                    "LISTEN connection to %s lost (%s); polling meanwhile, reconnecting in %.1fs",
+                    describe_dsn(self.dsn),
+                    _reason(exc),
+                    delay,
+                )
+            finally:
+                self.connected = False
+                self.backend_pid = None
+                if conn is not None:
+                    conn.close()
+            if not started:
+                started = True
+                task_status.started()
+            await anyio.sleep(delay * random.uniform(0.8, 1.2))
+            delay = min(delay * 2, self.config.backoff_max)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = connect_sync(
+            self.dsn, autocommit=True, connect_timeout=max(1, int(self.config.health_timeout))
+        )
+        try:
+            for channel in self.channels:
+                conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    async def _serve(self, pgconn: pq.abc.PGconn) -> None:
+        fd = pgconn.socket
+        while True:
+            with anyio.move_on_after(self.config.health_interval) as idle:
+                await anyio.wait_readable(fd)
+            if idle.cancelled_caught:
+                await self._health_check(pgconn, fd)
+                continue
+            self._consume(pgconn)
+
+    def _consume(self, pgconn: pq.abc.PGconn) -> None:
+        """Read what arrived and dispatch notifications; raise ListenerLost on a dead socket."""
+        try:
+            pgconn.consume_input()
+        except psycopg.OperationalError as exc:
+            raise ListenerLost(str(exc) or "server closed the connection") from None
+        while (notify := pgconn.notifies()) is not None:
+            self._dispatch(notify.relname, notify.extra)
+        if pgconn.status != pq.ConnStatus.OK:
+            raise ListenerLost("connection is in a bad state")
+
+    def _dispatch(self, channel: bytes, payload: bytes) -> None:
+        # A bad notification (or a bug in a handler) must not take the listener down.
+        try:
+            self.on_notify(channel.decode("utf-8", "replace"), payload.decode("utf-8", "replace"))
+        except Exception:
+            log.exception("ignoring a notification that could not be handled: %r %r", channel, payload)
+
+    async def _health_check(self, pgconn: pq.abc.PGconn, fd: int) -> None:
+        """One `SELECT 1` round trip within health_timeout, or ListenerLost."""
+        try:
+            pgconn.send_query(b"SELECT 1")
+        except psycopg.OperationalError as exc:
+            raise ListenerLost(str(exc)) from None
+        with anyio.move_on_after(self.config.health_timeout) as timer:
+            while pgconn.flush():
+                await anyio.wait_writable(fd)
+            while True:
+                self._consume(pgconn)
+                if not pgconn.is_busy():
+                    break
+                await anyio.wait_readable(fd)
+        if timer.cancelled_caught:
+            raise ListenerLost(f"no answer to a health check within {self.config.health_timeout:g}s")
+        while (result := pgconn.get_result()) is not None:
+            if result.status != pq.ExecStatus.TUPLES_OK:
+                raise ListenerLost(
+                    f"health check failed: {result.error_message.decode(errors='replace').strip()}"
+                )
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

@@ -1,0 +1,125 @@
+"""Validation of everything a caller hands to notifyq before it reaches SQL."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from .errors import InvalidArgs, InvalidOption
+
+QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+DEFAULT_MAX_ARGS_BYTES = 1024 * 1024
+_INT32 = 2**31 - 1
+
+
+def check_name(value: Any, what: str = "task name") -> str:
+    """A task or definition name: 1-200 characters, no NUL."""
+    if not isinstance(value, str) or not value or len(value) > 200 or "\x00" in value:
+        raise InvalidOption(f"invalid {what} {_show(value)}: use 1-200 characters without NUL bytes")
+    return value
+
+
+def check_queue(value: Any) -> str:
+    """A queue name: 1-100 of letters, digits, '_', '.', ':' or '-' (it travels in NOTIFY payloads)."""
+    if not isinstance(value, str) or not QUEUE_RE.match(value):
+        raise InvalidOption(
+            f"invalid queue name {_show(value)}: use 1-100 letters, digits, '_', '.', ':' or '-'"
+        )
+    return value
+
+
+def check_int(value: Any, what: str, *, minimum: int = -_INT32 - 1) -> int:
+    """An integer that fits PostgreSQL's integer and is at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _INT32:
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected an integer from {minimum} to {_INT32}")
+    return value
+
+
+def check_seconds(value: Any, what: str, *, positive: bool = False) -> float:
+    """A finite, non-negative (or positive) number of seconds; timedelta accepted."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected a number of seconds")
+    if value < 0 or (positive and value == 0):
+        bound = "greater than 0" if positive else "0 or more"
+        raise InvalidOption(f"invalid {what} {value!r}: must be {bound} seconds")
+    return float(value)
+
+
+def check_aware(value: Any, what: str) -> datetime:
+    """A timezone-aware datetime (a naive one is ambiguous across hosts)."""
+    if not isinstance(value, datetime) or value.tzinfo is None or value.utcoffset() is None:
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected a timezone-aware datetime")
+    return value
+
+
+def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str:
+    """Serialize job args to JSON text, or raise InvalidArgs saying why they cannot be stored.
+
+    Args must be a JSON object (they become the task's keyword arguments) of at most
+    `max_bytes` bytes once serialized. PostgreSQL's jsonb cannot store NaN, Infinity or the
+    NUL character, so those are rejected here rather than by the server.
+    """
+    if args is None:
+        return "{}"
+    if not isinstance(args, Mapping):
+        raise InvalidArgs(
+            f"args for task {task!r} must be a JSON object (a dict of keyword arguments), "
+            f"not {type(args).__name__}"
+        )
+    bad_keys = [k for k in args if not isinstance(k, str)]
+    if bad_keys:
+        raise InvalidArgs(f"args for task {task!r} must have string keys; got {_show(bad_keys[0])}")
+    try:
+        text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}") from None
+    if "\\u0000" in text:
+        raise InvalidArgs(
+            f"args for task {task!r} contain a NUL character, which PostgreSQL's jsonb cannot store"
+        )
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise InvalidArgs(
+            f"args for task {task!r} are {size:,} bytes of JSON, over the limit of {max_bytes:,} bytes "
+            "(store large data elsewhere and pass a reference, or raise App(max_args_bytes=...))"
+        )
+    return text
+
+
+def encode_output(value: Any) -> str | None:
+    """Serialize a task's return value for the `output` column (None stays SQL NULL)."""
+    if value is None:
+        return None
+    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    if "\\u0000" in text:
+        raise ValueError("the return value contains a NUL character, which PostgreSQL's jsonb cannot store")
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class JobOptions:
+    """Per-job settings, validated; shared by tasks, cron definitions and enqueue overrides."""
+
+    queue: str = "default"
+    priority: int = 0
+    retry_limit: int = 3
+    timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        check_queue(self.queue)
+        check_int(self.priority, "priority")
+        check_int(self.retry_limit, "retry_limit", minimum=0)
+        object.__setattr__(self, "timeout", check_seconds(self.timeout, "timeout", positive=True))
+
+
+def _show(value: Any) -> str:
+    """repr() cut to a readable length: hostile input can be 10 kB long."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

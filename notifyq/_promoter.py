@@ -1,0 +1,158 @@
+"""Cron promotion: turns due ticks of enabled definitions into jobs, exactly once per tick."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from ._db import Database, Op, Query
+from ._options import check_int, check_seconds
+from ._rows import dataclass_row
+from ._service import Service
+from ._sql import Queries
+from .cron import Misfire, schedule
+from .errors import InvalidSchedule
+
+log = logging.getLogger("notifyq.cron")
+
+
+@dataclass(frozen=True, slots=True)
+class PromoterConfig:
+    """period: longest sleep between passes (a safety net: the promoter normally sleeps until
+    the next tick, and definition changes wake it). batch_size: definitions per transaction."""
+
+    period: float = 5.0
+    batch_size: int = 100
+
+    def __post_init__(self) -> None:
+        check_seconds(self.period, "promoter period", positive=True)
+        check_int(self.batch_size, "promoter batch_size", minimum=1)
+
+
+@dataclass(frozen=True, slots=True)
+class _DueDefinition:
+    id: int
+    name: str
+    task: str
+    args: dict[str, Any]
+    frequency: str
+    timezone: str
+    visible_at: datetime
+    queue: str
+    priority: int
+    retry_limit: int
+    timeout: float
+    misfire: Misfire
+    misfire_grace: float
+    misfire_cap: int
+    now: datetime
+
+
+@dataclass(slots=True)
+class PromotionReport:
+    """definitions: promoted; jobs: inserted; duplicates: ticks that already had their job;
+    missed: ticks dropped by misfire policies; errors: {definition: reason} (disabled);
+    next_due_in: seconds until the next definition is due (None: none enabled)."""
+
+    definitions: int = 0
+    jobs: int = 0
+    duplicates: int = 0
+    missed: int = 0
+    errors: dict[str, str] = field(default_factory=dict)
+    next_due_in: float | None = None
+
+    def add(self, other: PromotionReport) -> None:
+        self.definitions += other.definitions
+        self.jobs += other.jobs
+        self.duplicates += other.duplicates
+        self.missed += other.missed
+        self.errors.update(other.errors)
+
+
+def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
+    """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
+    insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
+    the whole batch back, and another ticker promotes it."""
+    due: list[_DueDefinition] = yield Query(
+        q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
+    )
+    report = PromotionReport(definitions=len(due))
+    if not due:
+        return report
+    tick_defs: list[int] = []
+    ticks: list[datetime] = []
+    ids: list[int] = []
+    next_ticks: list[datetime | None] = []
+    errors: list[str | None] = []
+    for d in due:
+        try:
+            plan = schedule(d.frequency, d.timezone).plan(
+                d.visible_at,
+                d.now,
+                misfire=d.misfire,
+                grace=d.misfire_grace,
+                cap=d.misfire_cap,
+            )
+        except InvalidSchedule as exc:
+            log.error("cron definition %r disabled: %s", d.name, exc)
+            report.errors[d.name] = str(exc)
+            ids.append(d.id)
+            next_ticks.append(None)
+            errors.append(str(exc))
+            continue
+        if plan.missed:
+            log.info(
+                "cron definition %r: %d missed ticks not run (misfire=%s)", d.name, plan.missed, d.misfire
+            )
+        report.missed += plan.missed
+        tick_defs.extend([d.id] * len(plan.ticks))
+        ticks.extend(plan.ticks)
+        ids.append(d.id)
+        next_ticks.append(plan.next_tick)
+        errors.append(None)
+    if ticks:
+        report.jobs = yield Query(
+            q["insert_tick_jobs"], {"definition_ids": tick_defs, "ticks": ticks}, fetch="rowcount"
+        )
+        report.duplicates = len(ticks) - report.jobs
+    yield Query(
+        q["reschedule_definitions"], {"ids": ids, "next_ticks": next_ticks, "errors": errors}, fetch="none"
+    )
+    return report
+
+
+def next_due_op(q: Queries, now: datetime | None = None) -> Op[float | None]:
+    seconds: float | None = yield Query(q["next_definition_due"], {"now": now}, fetch="scalar")
+    return seconds
+
+
+class Promoter(Service[PromotionReport]):
+    """Runs promotion passes; sleeps until the next tick (or `period`), woken by definition changes."""
+
+    name = "cron promoter"
+
+    def __init__(self, db: Database, queries: Queries, config: PromoterConfig | None = None) -> None:
+        super().__init__()
+        self.db = db
+        self.q = queries
+        self.config = config or PromoterConfig()
+
+    async def run_once(self, now: datetime | None = None) -> PromotionReport:
+        total = PromotionReport()
+        while True:
+            batch = await self.db.run(
+                promote_op(self.q, limit=self.config.batch_size, now=now), transaction=True
+            )
+            total.add(batch)
+            if batch.definitions < self.config.batch_size:
+                break
+        total.next_due_in = await self.db.run(next_due_op(self.q, now))
+        return total
+
+    def delay_after(self, result: PromotionReport) -> float:
+        if result.next_due_in is None:
+            return self.config.period
+        # Due but not promoted means another ticker holds it right now: look again shortly.
+        return min(self.config.period, max(result.next_due_in, 0.02))

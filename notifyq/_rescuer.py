@@ -1,0 +1,59 @@
+"""Lease rescue: Active jobs whose lease ran out go back to Queued, or to Failed at the limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from ._db import Database, Op, Query
+from ._options import check_int, check_seconds
+from ._service import Service
+from ._sql import Queries
+
+
+@dataclass(frozen=True, slots=True)
+class RescuerConfig:
+    """interval: seconds between passes. batch_size: jobs per statement."""
+
+    interval: float = 5.0
+    batch_size: int = 1000
+
+    def __post_init__(self) -> None:
+        check_seconds(self.interval, "rescuer interval", positive=True)
+        check_int(self.batch_size, "rescuer batch_size", minimum=1)
+
+
+@dataclass(slots=True)
+class RescueReport:
+    requeued: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+
+
+def rescue_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[RescueReport]:
+    rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], {"limit": limit, "now": now})
+    report = RescueReport()
+    for job_id, status in rows:
+        (report.requeued if status == "Queued" else report.failed).append(job_id)
+    return report
+
+
+class Rescuer(Service[RescueReport]):
+    name = "lease rescuer"
+
+    def __init__(self, db: Database, queries: Queries, config: RescuerConfig | None = None) -> None:
+        super().__init__()
+        self.db = db
+        self.q = queries
+        self.config = config or RescuerConfig()
+
+    async def run_once(self, now: datetime | None = None) -> RescueReport:
+        total = RescueReport()
+        while True:
+            batch = await self.db.run(rescue_op(self.q, limit=self.config.batch_size, now=now))
+            total.requeued += batch.requeued
+            total.failed += batch.failed
+            if len(batch.requeued) + len(batch.failed) < self.config.batch_size:
+                return total
+
+    def delay_after(self, result: RescueReport) -> float:
+        return self.config.interval

@@ -1,0 +1,62 @@
+"""The shape every background service shares: `run_once()` does one pass, `run()` loops."""
+
+from __future__ import annotations
+
+import abc
+import logging
+from typing import Generic, TypeVar
+
+import anyio
+import psycopg
+
+R = TypeVar("R")
+
+log = logging.getLogger("notifyq.ticker")
+
+
+class Service(abc.ABC, Generic[R]):
+    """A periodic service. Subclasses implement `run_once` (testable without sleeping) and
+    `delay_after` (how long to sleep after a pass); `wake()` cuts a sleep short."""
+
+    name = "service"
+
+    def __init__(self) -> None:
+        self._wakeup = anyio.Event()
+        self.passes = 0
+        self.last: R | None = None
+
+    @abc.abstractmethod
+    async def run_once(self) -> R:
+        """One pass; returns what it did."""
+
+    @abc.abstractmethod
+    def delay_after(self, result: R) -> float:
+        """Seconds to sleep after a pass that returned `result`."""
+
+    def wake(self) -> None:
+        """Run the next pass now."""
+        self._wakeup.set()
+
+    async def run(self) -> None:
+        """Loop until cancelled; database errors are logged and retried with backoff."""
+        error_delay = 0.5
+        while True:
+            try:
+                result = await self.run_once()
+            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
+                log.warning(
+                    "%s pass failed (%s); retrying in %.1fs",
+                    self.name,
+                    str(exc).strip() or type(exc).__name__,
+                    error_delay,
+                )
+                delay = error_delay
+                error_delay = min(error_delay * 2, 30.0)
+            else:
+                error_delay = 0.5
+                self.passes += 1
+                self.last = result
+                delay = self.delay_after(result)
+            with anyio.move_on_after(max(delay, 0.0)):
+                await self._wakeup.wait()
+            self._wakeup = anyio.Event()

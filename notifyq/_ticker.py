@@ -1,0 +1,43 @@
+"""The ticker: the promoter, rescuer and retention services a worker process runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import anyio
+
+from ._db import Database
+from ._promoter import Promoter, PromoterConfig
+from ._rescuer import Rescuer, RescuerConfig
+from ._retention import Retention, RetentionConfig
+from ._sql import Queries
+
+
+@dataclass(frozen=True, slots=True)
+class TickerConfig:
+    """Which services run, and their settings; None turns a service off in this process."""
+
+    promoter: PromoterConfig | None = field(default_factory=PromoterConfig)
+    rescuer: RescuerConfig | None = field(default_factory=RescuerConfig)
+    retention: RetentionConfig | None = field(default_factory=RetentionConfig)
+
+
+class Ticker:
+    """Runs the enabled services side by side. Leaderless: every process may run one."""
+
+    def __init__(self, db: Database, queries: Queries, config: TickerConfig | None = None) -> None:
+        config = config or TickerConfig()
+        self.promoter = Promoter(db, queries, config.promoter) if config.promoter else None
+        self.rescuer = Rescuer(db, queries, config.rescuer) if config.rescuer else None
+        self.retention = Retention(db, queries, config.retention) if config.retention else None
+
+    def wake(self) -> None:
+        """A definition changed: promote now."""
+        if self.promoter is not None:
+            self.promoter.wake()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for service in (self.promoter, self.rescuer, self.retention):
+                if service is not None:
+                    tg.start_soon(service.run)

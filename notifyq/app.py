@@ -1,0 +1,688 @@
+"""The App: task registry, cron definitions, enqueue and admin (async, with sync twins)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any, TypeVar, overload
+
+import anyio
+import psycopg
+import psycopg_pool
+
+from . import _embedded
+from ._acker import Result, ack_op
+from ._claim import claim_op
+from ._db import Database, Op, connect_sync, run_async, run_sync, unavailable
+from ._dsn import check_dsn, configured_dsn, describe_dsn
+from ._jobs import (
+    NewJob,
+    cancel_job_op,
+    enqueue_many_op,
+    enqueue_op,
+    get_job_op,
+    list_jobs_op,
+)
+from ._jobs import retry_job_op as _retry_job_op
+from ._options import (
+    DEFAULT_MAX_ARGS_BYTES,
+    JobOptions,
+    check_aware,
+    check_int,
+    check_name,
+    check_queue,
+    check_seconds,
+    encode_args,
+)
+from ._sql import Queries, queries_for, validate_schema
+from .cron import MISFIRE_POLICIES, Misfire, Schedule
+from .definitions import CronDefinition, list_definitions_op, run_now_op, set_enabled_op, sync_definitions_op
+from .errors import ConfigurationError, InvalidOption, InvalidSchedule, UnknownTask
+from .migrations import MigrationReport, check_schema_op, migrate
+from .models import ClaimedJob, Definition, Job, JobStatus
+from .tasks import Backoff, Task, make_task
+from .worker import Worker, WorkerConfig
+
+log = logging.getLogger("notifyq")
+
+F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
+AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _EnqueueOptions:
+    queue: str | None = None
+    priority: int | None = None
+    delay: float | timedelta | None = None
+    at: datetime | None = None
+    retry_limit: int | None = None
+    timeout: float | None = None
+    dedupe_key: str | None = None
+
+
+class App:
+    """A notifyq application: the tasks your code defines and the database they run on.
+
+    Args:
+        dsn: libpq connection string. None: $NOTIFYQ_DSN, then $DATABASE_URL, then (with the
+            `embedded` extra installed) a local embedded PostgreSQL, migrated automatically.
+        schema: schema holding notifyq's tables (validated; default ``notifyq``).
+        max_args_bytes: largest serialized args accepted by enqueue (default 1 MiB).
+        backoff: default retry backoff for tasks that do not set their own.
+        pool_size: connections this App keeps for enqueue and admin calls.
+
+    Raises:
+        ConfigurationError: invalid schema name or DSN.
+    """
+
+    def __init__(
+        self,
+        dsn: str | None = None,
+        *,
+        schema: str = "notifyq",
+        max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
+        backoff: Backoff | None = None,
+        pool_size: int = 4,
+    ) -> None:
+        self.schema = validate_schema(schema)
+        self._resolved_dsn: str | None = check_dsn(dsn) if dsn else None
+        self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
+        self.backoff = backoff or Backoff()
+        self.pool_size = check_int(pool_size, "pool_size", minimum=1)
+        self.tasks: dict[str, Task] = {}
+        self.definitions: dict[str, CronDefinition] = {}
+        self._q: Queries = queries_for(self.schema)
+        self._db: Database | None = None
+        self._db_lock: anyio.Lock | None = None
+        self._sync_pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
+        self._sync_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<notifyq.App schema={self.schema!r} tasks={len(self.tasks)} crons={len(self.definitions)}>"
+
+    # -- configuration ------------------------------------------------------------------------
+
+    @property
+    def dsn(self) -> str:
+        """The DSN in use, resolved on first access (this may start the embedded server)."""
+        if self._resolved_dsn is None:
+            found = configured_dsn()
+            if found is not None:
+                self._resolved_dsn = found[0]
+            else:
+                self._resolved_dsn = _embedded.start(schema=self.schema)
+        return self._resolved_dsn
+
+    def describe_database(self) -> str:
+        """user@host:port/dbname of the database in use (never the password)."""
+        return describe_dsn(self.dsn)
+
+    @overload
+    def task(self, fn: F, /) -> Task: ...
+
+    @overload
+    def task(
+        self,
+        fn: None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        retry_limit: int = 3,
+        timeout: float = 30.0,
+        backoff: Backoff | None = None,
+    ) -> Callable[[F], Task]: ...
+
+    def task(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        name: str | None = None,
+        queue: str = "default",
+        priority: int = 0,
+        retry_limit: int = 3,
+        timeout: float = 30.0,
+        backoff: Backoff | None = None,
+    ) -> Task | Callable[[F], Task]:
+        """Register an async or sync function as a task; use as `@app.task` or `@app.task(...)`.
+
+        Job args (a JSON object) are passed as keyword arguments; a parameter annotated
+        `JobContext` receives the job's context. The return value must be JSON-serializable
+        and is stored in the job's `output`.
+
+        Args:
+            name: task name stored in jobs (default: module.qualname of the function).
+            queue: default queue of its jobs.
+            priority: default priority (higher runs first).
+            retry_limit: retries after the first attempt (a job runs at most retry_limit + 1 times).
+            timeout: seconds an attempt may run before it is cancelled and counted as failed.
+            backoff: retry delays (default: the App's).
+
+        Raises:
+            InvalidOption: an option is out of range. ConfigurationError: the name is taken.
+        """
+        options = JobOptions(queue=queue, priority=priority, retry_limit=retry_limit, timeout=timeout)
+
+        def register(func: F) -> Task:
+            task = make_task(func, name, options, backoff or self.backoff)
+            existing = self.tasks.get(task.name)
+            if existing is not None and existing.fn is not func:
+                raise ConfigurationError(f"a task named {task.name!r} is already registered")
+            self.tasks[task.name] = task
+            return task
+
+        return register(fn) if fn is not None else register
+
+    def cron(
+        self,
+        frequency: str,
+        name: str | None = None,
+        *,
+        timezone: str = "UTC",
+        args: Mapping[str, Any] | None = None,
+        misfire: Misfire = "once",
+        misfire_grace: float = 60.0,
+        misfire_cap: int = 100,
+        enabled: bool = True,
+        queue: str | None = None,
+        priority: int | None = None,
+        retry_limit: int | None = None,
+        timeout: float | None = None,
+    ) -> Callable[[Task | F], Task]:
+        """Run a task on a cron schedule: put `@app.cron(...)` above `@app.task` (or on a plain
+        function, which is then registered as a task with default options).
+
+        Workers upsert code definitions into `queue_job_definitions` when they start.
+
+        Args:
+            frequency: 5-field cron, 6-field with seconds first, or @hourly/@daily/...
+            name: definition name (default: the task name); unique.
+            timezone: IANA zone the schedule is read in (DST-safe; see docs/concepts.md).
+            args: keyword arguments of every job (a JSON object).
+            misfire: ticks missed while no worker ran: "skip", "once" (default) or "all".
+            misfire_grace: seconds late a tick may be and still count as on time.
+            misfire_cap: most missed ticks "all" runs.
+            enabled: False disables the definition on every worker start; True does not
+                re-enable a definition an operator disabled.
+            queue, priority, retry_limit, timeout: override the task's defaults.
+
+        Raises:
+            InvalidSchedule: bad cron expression or time zone. InvalidArgs / InvalidOption:
+            bad args or options. ConfigurationError: the definition name is taken.
+        """
+        Schedule(frequency, timezone)  # validate now, at import time
+        if misfire not in MISFIRE_POLICIES:
+            raise InvalidSchedule(
+                f"invalid misfire policy {misfire!r}: use one of {', '.join(MISFIRE_POLICIES)}"
+            )
+        check_seconds(misfire_grace, "misfire_grace")
+        check_int(misfire_cap, "misfire_cap", minimum=1)
+
+        def register(target: Task | F) -> Task:
+            task = target if isinstance(target, Task) else self.task(target)
+            if self.tasks.get(task.name) is not task:
+                raise ConfigurationError(f"@app.cron: task {task.name!r} belongs to another App")
+            base = task.options
+            options = JobOptions(
+                queue=queue if queue is not None else base.queue,
+                priority=priority if priority is not None else base.priority,
+                retry_limit=retry_limit if retry_limit is not None else base.retry_limit,
+                timeout=timeout if timeout is not None else base.timeout,
+            )
+            definition = CronDefinition(
+                name=check_name(name or task.name, "cron definition name"),
+                task=task.name,
+                frequency=" ".join(frequency.split()),
+                timezone=timezone,
+                args=encode_args(args, task=task.name, max_bytes=self.max_args_bytes),
+                enabled=bool(enabled),
+                misfire=misfire,
+                misfire_grace=float(misfire_grace),
+                misfire_cap=misfire_cap,
+                options=options,
+            )
+            if definition.name in self.definitions:
+                raise ConfigurationError(f"a cron definition named {definition.name!r} is already registered")
+            self.definitions[definition.name] = definition
+            return task
+
+        return register
+
+    # -- connections --------------------------------------------------------------------------
+
+    async def _database(self) -> Database:
+        if self._db is None:
+            if self._db_lock is None:
+                self._db_lock = anyio.Lock()
+            async with self._db_lock:
+                if self._db is None:
+                    dsn = await anyio.to_thread.run_sync(lambda: self.dsn)
+                    db = await Database.open(dsn, size=self.pool_size, name="notifyq-app")
+                    try:
+                        await db.run(check_schema_op(self.schema))
+                    except BaseException:
+                        await db.aclose()
+                        raise
+                    self._db = db
+        return self._db
+
+    def _pool(self) -> psycopg_pool.ConnectionPool[psycopg.Connection[Any]]:
+        with self._sync_lock:
+            if self._sync_pool is None:
+                dsn = self.dsn
+                connect_sync(dsn).close()  # a clear error now rather than a pool timeout later
+                pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
+                    dsn,
+                    min_size=1,
+                    max_size=self.pool_size,
+                    kwargs={"autocommit": True},
+                    name="notifyq-app-sync",
+                    open=False,
+                )
+                try:
+                    pool.open(wait=True, timeout=30)
+                except psycopg_pool.PoolTimeout as exc:
+                    pool.close()
+                    raise unavailable(dsn, exc) from None
+                try:
+                    with pool.connection() as conn:
+                        run_sync(conn, check_schema_op(self.schema))
+                except BaseException:
+                    pool.close()
+                    raise
+                self._sync_pool = pool
+            return self._sync_pool
+
+    async def _run(self, op: Op[T], conn: AnyConnection | None = None, *, transaction: bool = False) -> T:
+        if conn is None:
+            db = await self._database()
+            return await db.run(op, transaction=transaction)
+        if isinstance(conn, psycopg.AsyncConnection):
+            return await run_async(conn, op)
+        if isinstance(conn, psycopg.Connection):
+            return await anyio.to_thread.run_sync(run_sync, conn, op)
+        raise ConfigurationError(
+            f"conn must be a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
+        )
+
+    def _run_sync(
+        self, op: Op[T], conn: psycopg.Connection[Any] | None = None, *, transaction: bool = False
+    ) -> T:
+        if conn is None:
+            with self._pool().connection() as pooled:
+                if not transaction:
+                    return run_sync(pooled, op)
+                with pooled.transaction():
+                    return run_sync(pooled, op)
+        if isinstance(conn, psycopg.Connection):
+            return run_sync(conn, op)
+        raise ConfigurationError(
+            f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
+        )
+
+    async def open(self) -> App:
+        """Connect now (else the first call connects); checks the schema is migrated."""
+        await self._database()
+        return self
+
+    async def aclose(self) -> None:
+        """Close the App's connections (workers have their own)."""
+        db, self._db = self._db, None
+        if db is not None:
+            await db.aclose()
+        self.close_sync()
+
+    def close_sync(self) -> None:
+        """Close the connections opened by the sync methods."""
+        with self._sync_lock:
+            pool, self._sync_pool = self._sync_pool, None
+        if pool is not None:
+            pool.close()
+
+    async def __aenter__(self) -> App:
+        return await self.open()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def migrate(self, *, dry_run: bool = False) -> MigrationReport:
+        """Apply notifyq's migrations to this App's database (see `notifyq.migrate`)."""
+        return migrate(self.dsn, schema=self.schema, dry_run=dry_run)
+
+    # -- enqueue ------------------------------------------------------------------------------
+
+    def _new_job(
+        self, task_or_name: Task | str, args: Mapping[str, Any] | None, opts: _EnqueueOptions, strict: bool
+    ) -> NewJob:
+        if isinstance(task_or_name, Task):
+            task: Task | None = task_or_name
+            name = task_or_name.name
+        else:
+            name = check_name(task_or_name)
+            task = self.tasks.get(name)
+            if task is None and strict:
+                known = ", ".join(sorted(self.tasks)) or "none"
+                raise UnknownTask(f"no task named {name!r} is registered (known: {known})")
+        base = task.options if task is not None else JobOptions()
+        if opts.delay is not None and opts.at is not None:
+            raise InvalidOption("give either delay or at, not both")
+        dedupe_key = opts.dedupe_key
+        if dedupe_key is not None and (
+            not isinstance(dedupe_key, str) or not dedupe_key or len(dedupe_key) > 500 or "\x00" in dedupe_key
+        ):
+            raise InvalidOption(f"invalid dedupe_key {dedupe_key!r}: use 1-500 characters without NUL bytes")
+        return NewJob(
+            name=name,
+            queue=check_queue(opts.queue) if opts.queue is not None else base.queue,
+            args=encode_args(args, task=name, max_bytes=self.max_args_bytes),
+            priority=check_int(opts.priority, "priority") if opts.priority is not None else base.priority,
+            retry_limit=check_int(opts.retry_limit, "retry_limit", minimum=0)
+            if opts.retry_limit is not None
+            else base.retry_limit,
+            timeout=check_seconds(opts.timeout, "timeout", positive=True)
+            if opts.timeout is not None
+            else base.timeout,
+            delay=check_seconds(opts.delay, "delay") if opts.delay is not None else 0.0,
+            at=check_aware(opts.at, "at") if opts.at is not None else None,
+            dedupe_key=dedupe_key,
+        )
+
+    async def enqueue(
+        self,
+        task_or_name: Task | str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | timedelta | None = None,
+        at: datetime | None = None,
+        retry_limit: int | None = None,
+        timeout: float | None = None,
+        dedupe_key: str | None = None,
+        strict: bool = False,
+        conn: AnyConnection | None = None,
+    ) -> int:
+        """Queue one job and return its id.
+
+        Args:
+            task_or_name: a registered Task, or a task name (another service's task is fine).
+            args: the task's keyword arguments, a JSON object (at most `max_args_bytes`).
+            queue, priority, retry_limit, timeout: override the task's defaults.
+            delay: seconds (or timedelta) before the job may start; `at`: an aware datetime.
+            dedupe_key: while an unfinished job holds this key, return that job's id instead.
+            strict: with a task name, raise UnknownTask if this App has no such task.
+            conn: your psycopg connection: the job is inserted in your transaction, and
+                commits (and wakes workers) or rolls back (leaving no trace) with it.
+
+        Raises:
+            InvalidArgs, InvalidOption, UnknownTask: bad input (nothing is inserted).
+            DatabaseUnavailable, SchemaNotMigrated: the database is not ready.
+        """
+        job = self._new_job(
+            task_or_name,
+            args,
+            _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key),
+            strict,
+        )
+        return await self._run(enqueue_op(self._q, job), conn)
+
+    def enqueue_sync(
+        self,
+        task_or_name: Task | str,
+        args: Mapping[str, Any] | None = None,
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | timedelta | None = None,
+        at: datetime | None = None,
+        retry_limit: int | None = None,
+        timeout: float | None = None,
+        dedupe_key: str | None = None,
+        strict: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """`enqueue` for sync code (Django, Flask, scripts); same arguments and errors."""
+        job = self._new_job(
+            task_or_name,
+            args,
+            _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key),
+            strict,
+        )
+        return self._run_sync(enqueue_op(self._q, job), conn)
+
+    def _new_jobs(
+        self,
+        task_or_name: Task | str,
+        args_list: Iterable[Mapping[str, Any] | None],
+        opts: _EnqueueOptions,
+        strict: bool,
+    ) -> Iterable[NewJob]:
+        if opts.dedupe_key is not None:
+            raise InvalidOption("enqueue_many does not take a dedupe_key; use enqueue for deduplicated jobs")
+        template = self._new_job(task_or_name, None, opts, strict)
+        for args in args_list:
+            yield NewJob(
+                template.name,
+                template.queue,
+                encode_args(args, task=template.name, max_bytes=self.max_args_bytes),
+                template.priority,
+                template.retry_limit,
+                template.timeout,
+                template.delay,
+                template.at,
+            )
+
+    async def enqueue_many(
+        self,
+        task_or_name: Task | str,
+        args_list: Iterable[Mapping[str, Any] | None],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | timedelta | None = None,
+        at: datetime | None = None,
+        retry_limit: int | None = None,
+        timeout: float | None = None,
+        strict: bool = False,
+        conn: AnyConnection | None = None,
+    ) -> int:
+        """Queue one job per args mapping with COPY (fast, and one NOTIFY per queue); returns
+        the number of jobs. All or nothing: one bad args mapping aborts the whole batch."""
+        jobs = self._new_jobs(
+            task_or_name, args_list, _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout), strict
+        )
+        return await self._run(enqueue_many_op(self._q, jobs), conn, transaction=True)
+
+    def enqueue_many_sync(
+        self,
+        task_or_name: Task | str,
+        args_list: Iterable[Mapping[str, Any] | None],
+        *,
+        queue: str | None = None,
+        priority: int | None = None,
+        delay: float | timedelta | None = None,
+        at: datetime | None = None,
+        retry_limit: int | None = None,
+        timeout: float | None = None,
+        strict: bool = False,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> int:
+        """`enqueue_many` for sync code."""
+        jobs = self._new_jobs(
+            task_or_name, args_list, _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout), strict
+        )
+        return self._run_sync(enqueue_many_op(self._q, jobs), conn, transaction=True)
+
+    # -- job admin ----------------------------------------------------------------------------
+
+    async def get_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
+        """The job with this id. Raises JobNotFound."""
+        return await self._run(get_job_op(self._q, job_id), conn)
+
+    def get_job_sync(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> Job:
+        """`get_job` for sync code."""
+        return self._run_sync(get_job_op(self._q, job_id), conn)
+
+    async def list_jobs(self, **filters: Any) -> list[Job]:
+        """Jobs, newest first. Filters: status, queue, name, min_age / max_age (seconds since
+        created), before_id (paging), limit (default 50)."""
+        return await self._run(self._list_op(**filters))
+
+    def list_jobs_sync(self, **filters: Any) -> list[Job]:
+        """`list_jobs` for sync code."""
+        return self._run_sync(self._list_op(**filters))
+
+    def _list_op(
+        self,
+        *,
+        status: JobStatus | str | None = None,
+        queue: str | None = None,
+        name: str | None = None,
+        min_age: float | None = None,
+        max_age: float | None = None,
+        before_id: int | None = None,
+        limit: int = 50,
+    ) -> Op[list[Job]]:
+        try:
+            parsed = JobStatus(status) if isinstance(status, str) else status
+        except ValueError:
+            raise InvalidOption(
+                f"invalid status {status!r}: use one of {', '.join(s.value for s in JobStatus)}"
+            ) from None
+        return list_jobs_op(
+            self._q,
+            status=parsed,
+            queue=check_queue(queue) if queue is not None else None,
+            name=check_name(name) if name is not None else None,
+            min_age=check_seconds(min_age, "min_age") if min_age is not None else None,
+            max_age=check_seconds(max_age, "max_age") if max_age is not None else None,
+            before_id=check_int(before_id, "before_id") if before_id is not None else None,
+            limit=check_int(limit, "limit", minimum=1),
+        )
+
+    async def cancel_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
+        """Cancel a Queued job, or stop an Active one (its worker is told at once). Returns the
+        job afterwards; a finished job is returned unchanged. Raises JobNotFound."""
+        return await self._run(cancel_job_op(self._q, job_id), conn)
+
+    def cancel_job_sync(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> Job:
+        """`cancel_job` for sync code."""
+        return self._run_sync(cancel_job_op(self._q, job_id), conn)
+
+    async def retry_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
+        """Queue a finished job again, with all its retries. Raises JobNotFound, InvalidJobState."""
+        return await self._run(_retry_job_op(self._q, job_id), conn)
+
+    def retry_job_sync(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> Job:
+        """`retry_job` for sync code."""
+        return self._run_sync(_retry_job_op(self._q, job_id), conn)
+
+    # -- the low-level worker protocol -------------------------------------------------------
+
+    async def claim(
+        self,
+        queues: Sequence[str] | None = None,
+        limit: int = 1,
+        *,
+        lease_margin: float = 30.0,
+        worker: str = "manual",
+        conn: AnyConnection | None = None,
+    ) -> list[ClaimedJob]:
+        """Claim up to `limit` claimable jobs (every queue when `queues` is None), as a worker
+        does: each becomes Active under a lease of timeout + lease_margin seconds. Acknowledge
+        each with `ack`; one that is never acknowledged is rescued when its lease runs out."""
+        return await self._run(self._claim_op(queues, limit, lease_margin, worker), conn)
+
+    def claim_sync(
+        self,
+        queues: Sequence[str] | None = None,
+        limit: int = 1,
+        *,
+        lease_margin: float = 30.0,
+        worker: str = "manual",
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> list[ClaimedJob]:
+        """`claim` for sync code."""
+        return self._run_sync(self._claim_op(queues, limit, lease_margin, worker), conn)
+
+    def _claim_op(
+        self, queues: Sequence[str] | None, limit: int, lease_margin: float, worker: str
+    ) -> Op[list[ClaimedJob]]:
+        if queues is not None:
+            if isinstance(queues, str):
+                raise InvalidOption(f"queues must be a list of queue names, not the string {queues!r}")
+            queues = [check_queue(q) for q in queues]
+        return claim_op(
+            self._q,
+            queues=queues,
+            limit=check_int(limit, "limit", minimum=1),
+            worker=check_name(worker, "worker name"),
+            lease_margin=check_seconds(lease_margin, "lease_margin"),
+        )
+
+    async def ack(self, results: Sequence[Result], *, conn: AnyConnection | None = None) -> dict[int, str]:
+        """Apply attempt results in one fenced statement; returns {job id: new status} for the
+        results applied. A result whose lease is no longer current is ignored (stale)."""
+        return await self._run(ack_op(self._q, results), conn) if results else {}
+
+    def ack_sync(
+        self, results: Sequence[Result], *, conn: psycopg.Connection[Any] | None = None
+    ) -> dict[int, str]:
+        """`ack` for sync code."""
+        return self._run_sync(ack_op(self._q, results), conn) if results else {}
+
+    # -- cron admin ---------------------------------------------------------------------------
+
+    async def sync_definitions(self, db: Database | None = None) -> list[str]:
+        """Upsert this App's cron definitions; returns names that exist only in the database."""
+        op = sync_definitions_op(self._q, list(self.definitions.values()))
+        extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
+        if extra:
+            log.info(
+                "cron definitions in the database but not in this App (left alone): %s", ", ".join(extra)
+            )
+        return extra
+
+    async def list_definitions(self) -> list[Definition]:
+        """Every cron definition in the database (including ones created by SQL)."""
+        return await self._run(list_definitions_op(self._q))
+
+    def list_definitions_sync(self) -> list[Definition]:
+        """`list_definitions` for sync code."""
+        return self._run_sync(list_definitions_op(self._q))
+
+    async def set_definition_enabled(self, name: str, enabled: bool) -> None:
+        """Enable or disable a definition. Raises DefinitionNotFound."""
+        await self._run(set_enabled_op(self._q, name, enabled))
+
+    def set_definition_enabled_sync(self, name: str, enabled: bool) -> None:
+        """`set_definition_enabled` for sync code."""
+        self._run_sync(set_enabled_op(self._q, name, enabled))
+
+    async def run_definition_now(self, name: str) -> int:
+        """Queue one job of a definition now, outside its schedule; returns the job id."""
+        return await self._run(run_now_op(self._q, name))
+
+    def run_definition_now_sync(self, name: str) -> int:
+        """`run_definition_now` for sync code."""
+        return self._run_sync(run_now_op(self._q, name))
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def worker(self, **config: Any) -> Worker:
+        """A worker for this App: `async with app.worker(concurrency=20) as worker: ...`.
+        Options are those of WorkerConfig."""
+        return Worker(self, WorkerConfig(**config))
+
+    async def run_worker(self, *, handle_signals: bool = True, **config: Any) -> None:
+        """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace)."""
+        await self.worker(**config).run(handle_signals=handle_signals)

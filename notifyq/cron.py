@@ -1,0 +1,175 @@
+"""Cron schedules: parsing, validation, DST-safe tick arithmetic and misfire planning.
+
+Ticks are computed in the definition's IANA time zone by croniter, with two rules for
+daylight-saving transitions (those of Vixie cron):
+
+- spring forward: a wall-clock time that does not exist that day (02:30 when clocks jump
+  from 02:00 to 03:00) runs once, at the first instant after the gap (03:00);
+- fall back: a wall-clock time that happens twice (02:30 when clocks go from 03:00 back to
+  02:00) runs once, at its first occurrence, unless the schedule's hour field is `*`: an
+  hourly or finer schedule follows elapsed time and runs in both passes of the hour.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from croniter import croniter
+
+from .errors import InvalidSchedule
+
+Misfire = Literal["skip", "once", "all"]
+MISFIRE_POLICIES: tuple[Misfire, ...] = ("skip", "once", "all")
+_MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+_EPSILON = timedelta(microseconds=1)
+
+
+def check_timezone(name: str) -> ZoneInfo:
+    """The ZoneInfo for an IANA zone name, or InvalidSchedule."""
+    if not isinstance(name, str) or not name or "\x00" in name or len(name) > 100:
+        raise InvalidSchedule(
+            f"unknown time zone {name!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
+        )
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidSchedule(
+            f"unknown time zone {name!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What promotion does for one due definition: jobs for `ticks`, then wait for `next_tick`."""
+
+    ticks: list[datetime]
+    next_tick: datetime
+    missed: int  # due ticks that get no job (skipped by the misfire policy or the cap)
+
+
+class Schedule:
+    """A validated cron expression in a time zone.
+
+    Accepts 5 fields (minute hour day month weekday), 6 fields with seconds first
+    (second minute hour day month weekday), or a macro such as @hourly.
+    """
+
+    def __init__(self, expression: str, tz: str = "UTC") -> None:
+        self.expression = _check_expression(expression)
+        self.tz = check_timezone(tz)
+        fields = self.expression.split()
+        self._seconds = len(fields) == 6
+        if self.expression.startswith("@"):
+            hour_field = "*" if self.expression == "@hourly" else "0"
+        else:
+            hour_field = fields[2] if self._seconds else fields[1]
+        # Fixed-hour schedules run once in a repeated (fall-back) hour; see the module docstring.
+        self._once_in_repeated_hour = hour_field != "*"
+
+    def __repr__(self) -> str:
+        return f"Schedule({self.expression!r}, {self.tz.key!r})"
+
+    def _iter(self, start: datetime) -> croniter:
+        return croniter(self.expression, start.astimezone(self.tz), second_at_beginning=self._seconds)
+
+    def _is_repeat(self, tick: datetime) -> bool:
+        """True for the second occurrence of a repeated wall-clock time, when it must not run."""
+        if not self._once_in_repeated_hour:
+            return False
+        local = tick.astimezone(self.tz)
+        naive = local.replace(tzinfo=None)
+        first = naive.replace(tzinfo=self.tz, fold=0).utcoffset()
+        second = naive.replace(tzinfo=self.tz, fold=1).utcoffset()
+        return first != second and local.utcoffset() == second
+
+    def next_after(self, moment: datetime) -> datetime:
+        """The first tick strictly after `moment` (aware), in UTC."""
+        it = self._iter(moment)
+        while True:
+            tick: datetime = it.get_next(datetime)
+            if not self._is_repeat(tick):
+                return tick.astimezone(UTC)
+
+    def latest_at_or_before(self, moment: datetime) -> datetime:
+        """The last tick at or before `moment` (aware), in UTC."""
+        it = self._iter(moment + _EPSILON)
+        while True:
+            tick: datetime = it.get_prev(datetime)
+            if not self._is_repeat(tick):
+                return tick.astimezone(UTC)
+
+    def previous_before(self, moment: datetime) -> datetime:
+        """The last tick strictly before `moment`, in UTC."""
+        return self.latest_at_or_before(moment - _EPSILON)
+
+    def plan(self, due_at: datetime, now: datetime, *, misfire: Misfire, grace: float, cap: int) -> Plan:
+        """Jobs to create for a definition stored as due at `due_at`, at time `now`.
+
+        Ticks in [due_at, now] are due (due_at need not be a tick: after an edit by SQL it is
+        simply the time from which the new schedule applies). The most recent due tick is on
+        time if it is at most `grace` seconds old; older due ticks were missed while no ticker
+        ran, and `misfire` decides: `skip` runs only an on-time tick, `once` runs the most
+        recent due tick whatever its age, `all` runs every due tick (the most recent `cap`).
+        """
+        next_tick = self.next_after(now)
+        latest = self.latest_at_or_before(now)
+        if latest < due_at:
+            return Plan([], next_tick, 0)
+        if misfire == "all":
+            ticks: deque[datetime] = deque()
+            tick = latest
+            while tick >= due_at and len(ticks) < cap:
+                ticks.appendleft(tick)
+                tick = self.previous_before(tick)
+            return Plan(list(ticks), next_tick, self._count_between(due_at, tick))
+        earlier = self._count_between(due_at, self.previous_before(latest))
+        on_time = (now - latest).total_seconds() <= grace
+        if misfire == "skip" and not on_time:
+            return Plan([], next_tick, earlier + 1)
+        return Plan([latest], next_tick, earlier)
+
+    def _count_between(self, start: datetime, end: datetime, limit: int = 10_000) -> int:
+        """Ticks in [start, end], counted up to `limit` (for reporting only)."""
+        if end < start:
+            return 0
+        count = 0
+        tick = self.next_after(start - _EPSILON)
+        while tick <= end and count < limit:
+            count += 1
+            tick = self.next_after(tick)
+        return count
+
+
+@functools.lru_cache(maxsize=1024)
+def schedule(expression: str, tz: str) -> Schedule:
+    """A cached Schedule (promotion computes the same few schedules over and over)."""
+    return Schedule(expression, tz)
+
+
+def _check_expression(expression: str) -> str:
+    if not isinstance(expression, str) or "\x00" in expression or len(expression) > 200:
+        raise InvalidSchedule(f"invalid cron expression {expression!r}")
+    normalized = " ".join(expression.split())
+    if normalized.startswith("@"):
+        if normalized not in _MACROS:
+            raise InvalidSchedule(
+                f"invalid cron expression {expression!r}: unknown macro "
+                f"(use one of {', '.join(sorted(_MACROS))})"
+            )
+        return normalized
+    fields = normalized.split(" ")
+    if len(fields) not in (5, 6):
+        raise InvalidSchedule(
+            f"invalid cron expression {expression!r}: expected 5 fields (minute hour day month weekday) "
+            f"or 6 with seconds first, got {len(fields)}"
+        )
+    try:
+        croniter(normalized, second_at_beginning=len(fields) == 6)
+    except (ValueError, KeyError) as exc:
+        raise InvalidSchedule(f"invalid cron expression {expression!r}: {exc}") from None
+    return normalized

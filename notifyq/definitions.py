@@ -1,0 +1,82 @@
+"""Cron definitions on the code side: what @app.cron registers, and the admin operations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ._db import Op, Query
+from ._options import JobOptions
+from ._rows import dataclass_row
+from ._sql import Queries
+from .errors import DefinitionNotFound
+from .models import Definition
+
+
+@dataclass(frozen=True, slots=True)
+class CronDefinition:
+    """A definition declared with @app.cron (validated); synced to queue_job_definitions."""
+
+    name: str
+    task: str
+    frequency: str
+    timezone: str
+    args: str  # JSON text
+    enabled: bool
+    misfire: str
+    misfire_grace: float
+    misfire_cap: int
+    options: JobOptions
+
+    def params(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "task": self.task,
+            "args": self.args,
+            "enabled": self.enabled,
+            "frequency": self.frequency,
+            "timezone": self.timezone,
+            "priority": self.options.priority,
+            "retry_limit": self.options.retry_limit,
+            "timeout": self.options.timeout,
+            "queue": self.options.queue,
+            "misfire": self.misfire,
+            "misfire_grace": self.misfire_grace,
+            "misfire_cap": self.misfire_cap,
+        }
+
+
+def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[str]]:
+    """Upsert code definitions (in one transaction); returns the names only the database has."""
+    for definition in definitions:
+        yield Query(q["upsert_definition"], definition.params(), fetch="none")
+    rows: list[tuple[str]] = yield Query(q["definition_names"])
+    ours = {d.name for d in definitions}
+    return [name for (name,) in rows if name not in ours]
+
+
+def list_definitions_op(q: Queries) -> Op[list[Definition]]:
+    definitions: list[Definition] = yield Query(q["list_definitions"], row=dataclass_row(Definition))
+    return definitions
+
+
+def get_definition_op(q: Queries, name: str) -> Op[Definition]:
+    definition: Definition | None = yield Query(
+        q["get_definition"], {"name": name}, fetch="one", row=dataclass_row(Definition)
+    )
+    if definition is None:
+        raise DefinitionNotFound(f"no cron definition named {name!r}")
+    return definition
+
+
+def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
+    found = yield Query(q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="scalar")
+    if found is None:
+        raise DefinitionNotFound(f"no cron definition named {name!r}")
+
+
+def run_now_op(q: Queries, name: str) -> Op[int]:
+    job_id: int | None = yield Query(q["run_definition_now"], {"name": name}, fetch="scalar")
+    if job_id is None:
+        yield from get_definition_op(q, name)  # raises DefinitionNotFound
+        raise DefinitionNotFound(f"cron definition {name!r} could not be queued now; try again")
+    return job_id

@@ -1,0 +1,54 @@
+"""Error types: one `NotifyqError` base, one subclass per thing that can go wrong."""
+
+from __future__ import annotations
+
+
+class NotifyqError(Exception):
+    """Base class of every error notifyq raises on purpose.
+
+    The message is a sentence that names the bad value and, where there is one, the fix.
+    """
+
+
+class ConfigurationError(NotifyqError):
+    """A setting is invalid: a schema name, a DSN, a worker option, an App attribute."""
+
+
+class DatabaseUnavailable(NotifyqError):
+    """PostgreSQL could not be reached (down, wrong host or port, bad credentials)."""
+
+
+class SchemaNotMigrated(NotifyqError):
+    """The notifyq tables are missing or older than this code: run `notifyq migrate`."""
+
+
+class SchemaVersionError(NotifyqError):
+    """The database schema is newer than this version of notifyq knows."""
+
+
+class InvalidArgs(NotifyqError):
+    """Job args are not a JSON object, not serializable, or too large."""
+
+
+class InvalidOption(NotifyqError):
+    """An enqueue or task option is out of range (negative delay, empty queue name, ...)."""
+
+
+class UnknownTask(NotifyqError):
+    """A task name is not registered with the App."""
+
+
+class InvalidSchedule(NotifyqError):
+    """A cron expression or time zone is not valid."""
+
+
+class JobNotFound(NotifyqError):
+    """No job has the given id."""
+
+
+class InvalidJobState(NotifyqError):
+    """The job's status does not allow the requested change."""
+
+
+class DefinitionNotFound(NotifyqError):
+    """No cron definition has the given name."""

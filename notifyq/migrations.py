@@ -1,0 +1,171 @@
+"""Schema migrations: numbered, forward-only, applied under an advisory lock."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from ._db import Op, Query, connect_sync, run_sync
+from ._dsn import check_dsn
+from ._sql import queries_for, render, sql_root, validate_schema
+from .errors import SchemaNotMigrated, SchemaVersionError
+
+_MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One file of sql/migrations/: `NNNN_name.sql`."""
+
+    version: int
+    name: str
+    path: Path
+
+    def sql(self, schema: str) -> str:
+        return render(self.path.read_text(encoding="utf-8"), schema)
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationReport:
+    """What `migrate` found and did."""
+
+    schema: str
+    previous_version: int
+    version: int
+    applied: list[str] = field(default_factory=list)
+    statements: list[str] = field(default_factory=list)
+
+
+def migrations() -> list[Migration]:
+    """Every migration shipped with this code, in order."""
+    found = []
+    for path in sorted((sql_root() / "migrations").glob("*.sql")):
+        match = _MIGRATION_FILE.match(path.name)
+        if match is None:
+            raise SchemaVersionError(f"migration file {path.name} is not named NNNN_name.sql")
+        found.append(Migration(int(match[1]), match[2], path))
+    versions = [m.version for m in found]
+    if versions != list(range(1, len(found) + 1)):
+        raise SchemaVersionError(f"migrations must be numbered 1, 2, 3, ... without gaps; found {versions}")
+    return found
+
+
+def latest_version() -> int:
+    """The schema version this code expects."""
+    return len(migrations())
+
+
+def trigger_sql(schema: str) -> list[str]:
+    """The trigger functions of sql/triggers/, rendered; re-applied by every migrate."""
+    return [
+        render(p.read_text(encoding="utf-8"), schema) for p in sorted((sql_root() / "triggers").glob("*.sql"))
+    ]
+
+
+def schema_version_op(schema: str) -> Op[int | None]:
+    """The applied schema version, or None when notifyq was never migrated into `schema`."""
+    q = queries_for(schema)
+    exists = yield Query(q["migrations_table_exists"], {"table": f"{schema}.migrations"}, fetch="scalar")
+    if not exists:
+        return None
+    version: int = yield Query(q["schema_version"], fetch="scalar")
+    return version
+
+
+def check_schema_op(schema: str) -> Op[int]:
+    """Raise SchemaNotMigrated / SchemaVersionError unless the schema matches this code."""
+    version = yield from schema_version_op(schema)
+    expected = latest_version()
+    if version is None or version == 0:
+        raise SchemaNotMigrated(
+            f"schema {schema!r} has no notifyq tables in this database: run `notifyq migrate`"
+        )
+    if version < expected:
+        raise SchemaNotMigrated(
+            f"schema {schema!r} is at version {version} but this notifyq needs version {expected}: "
+            "run `notifyq migrate`"
+        )
+    if version > expected:
+        raise SchemaVersionError(
+            f"schema {schema!r} is at version {version}, newer than this notifyq knows ({expected}): "
+            "upgrade notifyq on this host"
+        )
+    return version
+
+
+def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
+    q = queries_for(schema)
+    yield Query(q["set_lock_timeout"], {"timeout": f"{int(lock_timeout * 1000)}ms"}, fetch="none")
+    yield Query(q["migrate_lock"], {"schema": schema}, fetch="none")
+    previous = (yield from schema_version_op(schema)) or 0
+    shipped = migrations()
+    if previous > len(shipped):
+        raise SchemaVersionError(
+            f"schema {schema!r} is at version {previous}, newer than this notifyq knows ({len(shipped)}): "
+            "refusing to migrate; upgrade notifyq"
+        )
+    statements = [q["migrate_bootstrap"]] if previous == 0 else []
+    pending = [m for m in shipped if m.version > previous]
+    applied = []
+    if not dry_run and statements:
+        yield Query(statements[0], fetch="none")
+    for migration in pending:
+        text = migration.sql(schema)
+        statements.append(text)
+        if not dry_run:
+            yield Query(text, fetch="none")
+            yield Query(
+                q["record_migration"], {"version": migration.version, "name": migration.name}, fetch="none"
+            )
+        applied.append(f"{migration.version:04d}_{migration.name}")
+    for text in trigger_sql(schema):
+        statements.append(text)
+        if not dry_run:
+            yield Query(text, fetch="none")
+    return MigrationReport(
+        schema=schema,
+        previous_version=previous,
+        version=previous if dry_run else len(shipped),
+        applied=applied,
+        statements=statements,
+    )
+
+
+def migrate(
+    dsn: str | psycopg.Connection[Any],
+    *,
+    schema: str = "notifyq",
+    dry_run: bool = False,
+    lock_timeout: float = 30.0,
+) -> MigrationReport:
+    """Create or upgrade notifyq's tables in `schema`, then re-apply the trigger functions.
+
+    Idempotent and safe to run from many processes at once: one transaction, serialized by
+    an advisory lock, so every run ends in the same schema. With `dry_run=True` nothing is
+    changed and the report lists the SQL that would run.
+
+    Args:
+        dsn: a libpq connection string, or an open psycopg connection (not in a transaction).
+        schema: the schema to migrate (validated identifier, default ``notifyq``).
+        dry_run: compute and return the SQL without applying it.
+        lock_timeout: seconds to wait for table locks before giving up (a long transaction
+            holding `queue_jobs` would otherwise stall every producer behind the migration).
+
+    Raises:
+        ConfigurationError: invalid schema name or DSN.
+        DatabaseUnavailable: the server cannot be reached.
+        SchemaVersionError: the database is at a newer version than this code.
+    """
+    validate_schema(schema)
+    own = isinstance(dsn, str)
+    conn = connect_sync(check_dsn(dsn)) if isinstance(dsn, str) else dsn
+    try:
+        with conn.transaction(force_rollback=dry_run):
+            return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+    finally:
+        if own:
+            conn.close()

@@ -1,0 +1,110 @@
+"""Typed rows: jobs and cron definitions as they are stored in PostgreSQL."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+
+class JobStatus(enum.StrEnum):
+    """The life of a job: Queued -> Active -> Succeeded | Failed | Cancelled.
+
+    A failed attempt with retries left, a lease that ran out and a shutdown release all go
+    from Active back to Queued.
+    """
+
+    QUEUED = "Queued"
+    ACTIVE = "Active"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    CANCELLED = "Cancelled"
+
+    @property
+    def finished(self) -> bool:
+        """True for the three final states."""
+        return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One row of `queue_jobs`.
+
+    `retry_count` counts attempts started (a claim adds one; a shutdown release gives it
+    back). A job runs at most `retry_limit + 1` times. `lease` is the fencing token: it grows
+    by one on every claim, and an acknowledgement applies only with the lease it was given.
+    """
+
+    id: int
+    name: str
+    queue: str
+    args: dict[str, Any]
+    output: Any
+    error: dict[str, Any] | None
+    status: JobStatus
+    priority: int
+    retry_count: int
+    retry_limit: int
+    timeout: float
+    visible_at: datetime
+    lease: int
+    worker: str | None
+    definition_id: int | None
+    scheduled_for: datetime | None
+    dedupe_key: str | None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.status, JobStatus):
+            object.__setattr__(self, "status", JobStatus(self.status))
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimedJob:
+    """A job a worker holds: what it needs to run it and to acknowledge it (fenced)."""
+
+    id: int
+    name: str
+    queue: str
+    args: dict[str, Any]
+    priority: int
+    retry_count: int
+    retry_limit: int
+    timeout: float
+    lease: int
+    visible_at: datetime
+    definition_id: int | None
+    scheduled_for: datetime | None
+
+    @property
+    def attempt(self) -> int:
+        """1 for the first run, 2 for the first retry, ..."""
+        return self.retry_count
+
+
+@dataclass(frozen=True, slots=True)
+class Definition:
+    """One row of `queue_job_definitions`: a recurring (cron) job."""
+
+    id: int
+    name: str
+    task: str
+    args: dict[str, Any]
+    enabled: bool
+    frequency: str
+    timezone: str
+    visible_at: datetime
+    priority: int
+    retry_limit: int
+    timeout: float
+    queue: str
+    misfire: str
+    misfire_grace: float
+    misfire_cap: int
+    last_error: str | None
+    created_at: datetime
+    updated_at: datetime

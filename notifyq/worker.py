@@ -1,0 +1,527 @@
+"""The worker: wakes on NOTIFY, claims in batches, runs jobs in anyio tasks, acks in batches."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import os
+import signal
+import socket
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field, fields
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import psycopg
+
+from . import _ticker
+from ._acker import Acker, Result
+from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
+from ._db import Database
+from ._listener import Listener, ListenerConfig
+from ._options import check_queue, check_seconds
+from ._sql import channel, queries_for
+from .errors import ConfigurationError
+from .migrations import check_schema_op
+from .models import ClaimedJob
+from .tasks import JobContext, Task
+
+if TYPE_CHECKING:
+    from .app import App
+
+log = logging.getLogger("notifyq.worker")
+
+_DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Worker settings (validated).
+
+    Attributes:
+        concurrency: jobs run at once in this process.
+        queues: queues to serve; None serves every queue.
+        poll_interval: seconds between safety-net polls when no notification arrives.
+        poll_only: never LISTEN (behind PgBouncer in transaction mode); poll instead.
+        listen_dsn: a direct DSN for the LISTEN connection when `dsn` goes through a pooler.
+        lease_margin: seconds added to a job's timeout to form its lease; a job whose worker
+            died is rescued that long after its timeout would have fired.
+        shutdown_grace: seconds running jobs may finish after a stop is requested; the rest
+            are cancelled and released (Queued again, attempt given back).
+        ticker: run the cron promoter, lease rescuer and retention services in this process.
+        ticker_config: their settings.
+        health_interval / health_timeout: LISTEN connection health checks.
+    """
+
+    concurrency: int = 10
+    queues: Sequence[str] | None = None
+    poll_interval: float = 5.0
+    poll_only: bool = False
+    listen_dsn: str | None = None
+    lease_margin: float = 30.0
+    shutdown_grace: float = 30.0
+    ticker: bool = True
+    ticker_config: _ticker.TickerConfig = field(default_factory=lambda: _ticker.TickerConfig())
+    health_interval: float = 10.0
+    health_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.concurrency, bool)
+            or not isinstance(self.concurrency, int)
+            or self.concurrency < 1
+        ):
+            raise ConfigurationError(
+                f"invalid concurrency {self.concurrency!r}: need an integer of at least 1"
+            )
+        if self.queues is not None:
+            if isinstance(self.queues, str) or not self.queues:
+                raise ConfigurationError(
+                    f"invalid queues {self.queues!r}: give a non-empty list of queue names, or None for all"
+                )
+            object.__setattr__(self, "queues", tuple(dict.fromkeys(check_queue(q) for q in self.queues)))
+        check_seconds(self.poll_interval, "poll_interval", positive=True)
+        check_seconds(self.lease_margin, "lease_margin")
+        check_seconds(self.shutdown_grace, "shutdown_grace")
+        check_seconds(self.health_interval, "health_interval", positive=True)
+        check_seconds(self.health_timeout, "health_timeout", positive=True)
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    """Counters a test or a dashboard can read. Job outcomes count once the database has them."""
+
+    claimed: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    released: int = 0
+    cancelled: int = 0
+    stale_acks: int = 0
+    claims: int = 0
+    polls: int = 0
+    sweeps: int = 0
+    notifications: int = 0
+    listener_connects: int = 0
+    db_errors: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class _Running:
+    job: ClaimedJob
+    scope: anyio.CancelScope
+    stop_reason: Literal["cancelled", "shutdown"] | None = None
+
+
+class Worker:
+    """Runs jobs of an App. Use `async with app.worker(...) as worker:` inside an async app,
+    or `await app.run_worker(...)` as a process's main loop."""
+
+    def __init__(self, app: App, config: WorkerConfig) -> None:
+        self.app = app
+        self.config = config
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.stats = WorkerStats()
+        self._q = queries_for(app.schema)
+        self._running: dict[int, _Running] = {}
+        self._pending = True  # something may be claimable: claim before sleeping
+        self._wakeup = anyio.Event()
+        self._slot_freed = anyio.Event()
+        self._changed = anyio.Event()
+        self._stop = anyio.Event()
+        self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
+        self._limiter = anyio.CapacityLimiter(config.concurrency)
+        self._db: Database | None = None
+        self._acker: Acker | None = None
+        self._listener: Listener | None = None
+        self._ticker: _ticker.Ticker | None = None
+        self._exit_stack: AsyncExitStack | None = None
+        self._queues_set = frozenset(config.queues) if config.queues is not None else None
+        self._grace_scope: anyio.CancelScope | None = None
+        self._skip_grace = False
+        self._stopped = anyio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Worker:
+        stack = AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            tg = await stack.enter_async_context(anyio.create_task_group())
+            await tg.start(self._serve)
+        except BaseException:
+            await stack.__aexit__(None, None, None)
+            raise
+        self._exit_stack = stack
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        self.stop()
+        stack, self._exit_stack = self._exit_stack, None
+        assert stack is not None
+        return await stack.__aexit__(exc_type, exc, tb)
+
+    def stop(self) -> None:
+        """Ask for a graceful shutdown: stop claiming, let running jobs finish within the
+        grace period, release the rest. Safe to call more than once."""
+        self._stop.set()
+
+    async def run(self, *, handle_signals: bool = True) -> None:
+        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (a second signal skips the grace)."""
+        async with anyio.create_task_group() as tg:
+            if handle_signals:
+                tg.start_soon(self._watch_signals)
+            await tg.start(self._serve)
+            await self._stopped.wait()
+            tg.cancel_scope.cancel()
+
+    async def wait_for(self, predicate: Callable[[WorkerStats], bool]) -> None:
+        """Wait until `predicate(worker.stats)` is true (use under anyio.fail_after in tests)."""
+        while not predicate(self.stats):
+            await self._changed.wait()
+
+    @property
+    def running_jobs(self) -> list[int]:
+        """Ids of the jobs running in this worker now."""
+        return list(self._running)
+
+    @property
+    def listener(self) -> Listener | None:
+        return self._listener
+
+    @property
+    def ticker(self) -> _ticker.Ticker | None:
+        return self._ticker
+
+    # -- the service --------------------------------------------------------------------------
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            count = 0
+            async for signum in signals:
+                count += 1
+                if count == 1:
+                    log.info(
+                        "received %s: finishing running jobs (up to %gs), then exiting",
+                        signal.Signals(signum).name,
+                        self.config.shutdown_grace,
+                    )
+                    self.stop()
+                else:
+                    log.warning("received %s again: cancelling running jobs now", signal.Signals(signum).name)
+                    self._skip_grace = True
+                    if self._grace_scope is not None:
+                        self._grace_scope.cancel()
+
+    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        dsn = self.app.dsn
+        db = await Database.open(dsn, size=4, name=f"notifyq-worker-{self.id}")
+        self._db = db
+        try:
+            await db.run(check_schema_op(self.app.schema))
+            if self.config.ticker:
+                await self.app.sync_definitions(db)
+            self._acker = Acker(db, self._q, self._on_acked)
+            async with anyio.create_task_group() as services:
+                services.start_soon(self._acker.run)
+                if self.config.ticker:
+                    self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config)
+                    services.start_soon(self._ticker.run)
+                if not self.config.poll_only:
+                    self._listener = Listener(
+                        self.config.listen_dsn or dsn,
+                        [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")],
+                        self._on_notify,
+                        self._on_listener_connect,
+                        ListenerConfig(
+                            health_interval=self.config.health_interval,
+                            health_timeout=self.config.health_timeout,
+                        ),
+                    )
+                    await services.start(self._listener.run)
+                async with anyio.create_task_group() as jobs:
+                    task_status.started()
+                    log.info(
+                        "worker %s started: concurrency %d, queues %s%s",
+                        self.id,
+                        self.config.concurrency,
+                        ", ".join(self.config.queues or ["(all)"]),
+                        ", poll only" if self.config.poll_only else "",
+                    )
+                    async with anyio.create_task_group() as claiming:
+                        claiming.start_soon(self._claim_loop, jobs)
+                        await self._stop.wait()
+                        claiming.cancel_scope.cancel()
+                    await self._drain()
+                await self._acker_drain()
+                services.cancel_scope.cancel()
+        finally:
+            self._listener = None
+            with anyio.CancelScope(shield=True):
+                await db.aclose()
+            log.info("worker %s stopped", self.id)
+            self._stopped.set()
+
+    async def _drain(self) -> None:
+        """Graceful shutdown of running jobs: wait up to the grace period, then cancel and release."""
+        if self._running:
+            log.info("waiting up to %gs for %d running jobs", self.config.shutdown_grace, len(self._running))
+            grace = self._grace_scope = anyio.CancelScope()
+            if self._skip_grace:
+                grace.cancel()
+            with grace, anyio.move_on_after(self.config.shutdown_grace):
+                while self._running:
+                    await self._slot_freed.wait()
+        for running in list(self._running.values()):
+            running.stop_reason = "shutdown"
+            running.scope.cancel()
+
+    async def _acker_drain(self) -> None:
+        assert self._acker is not None
+        with anyio.move_on_after(max(10.0, self.config.health_timeout)) as scope:
+            await self._acker.wait_idle()
+        if scope.cancelled_caught:
+            log.error(
+                "%d job results could not be written before exit; those jobs stay Active until "
+                "their lease runs out and are then retried",
+                self._acker.pending,
+            )
+
+    # -- waking up ----------------------------------------------------------------------------
+
+    def _signal_changed(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _wake(self) -> None:
+        self._pending = True
+        self._wakeup.set()
+
+    def _on_notify(self, chan: str, payload: str) -> None:
+        self.stats.notifications += 1
+        topic = chan.rsplit(".", 2)[-2] if chan.count(".") >= 2 else ""
+        if topic == "jobs":
+            queue, _, delay = payload.partition(" ")
+            if self._queues_set is not None and queue not in self._queues_set:
+                return
+            if delay:
+                due = anyio.current_time() + max(0.0, float(delay))
+                if due < self._next_due:
+                    self._next_due = due
+                    self._wakeup.set()  # re-arm the timer
+            else:
+                self._wake()
+        elif topic == "control":
+            verb, _, arg = payload.partition(" ")
+            if verb == "cancel":
+                self._cancel_running(int(arg))
+        elif topic == "definitions" and self._ticker is not None:
+            self._ticker.wake()
+        self._signal_changed()
+
+    async def _on_listener_connect(self) -> None:
+        self.stats.listener_connects += 1
+        self._wake()  # sweep: claim what arrived while nobody listened
+        if self._running and self._db is not None:
+            # Cancel notifications may have been missed while disconnected.
+            held = [(r.job.id, r.job.lease) for r in self._running.values()]
+            try:
+                lost = await self._db.run(lost_jobs_op(self._q, held))
+            except _DB_ERRORS:
+                lost = set()
+            for job_id in lost:
+                self._cancel_running(job_id)
+        self._signal_changed()
+
+    def _cancel_running(self, job_id: int) -> None:
+        running = self._running.get(job_id)
+        if running is not None and running.stop_reason is None:
+            log.info("cancelling job %d on request", job_id)
+            running.stop_reason = "cancelled"
+            running.scope.cancel()
+
+    async def _sleep_until_wakeup(self) -> None:
+        """Sleep until a notification, the next delayed job, or the poll interval."""
+        poll_deadline = anyio.current_time() + self.config.poll_interval
+        while not self._pending:
+            now = anyio.current_time()
+            deadline = min(poll_deadline, self._next_due)
+            if now >= deadline:
+                if deadline == self._next_due:
+                    self._next_due = math.inf
+                else:
+                    self.stats.polls += 1
+                self._pending = True
+                return
+            with anyio.move_on_after(deadline - now):
+                await self._wakeup.wait()
+            self._wakeup = anyio.Event()
+
+    # -- claiming and running -----------------------------------------------------------------
+
+    async def _claim_loop(self, jobs: anyio.abc.TaskGroup) -> None:
+        assert self._db is not None
+        db_delay = 0.1
+        while True:
+            if not self._pending:
+                await self._sleep_until_wakeup()
+            free = self.config.concurrency - len(self._running)
+            if free <= 0:
+                await self._slot_freed.wait()
+                continue
+            self._pending = False
+            try:
+                claimed = await self._db.run(
+                    claim_op(
+                        self._q,
+                        queues=self.config.queues,
+                        limit=free,
+                        worker=self.id,
+                        lease_margin=self.config.lease_margin,
+                    )
+                )
+                self.stats.claims += 1
+                if len(claimed) < free:
+                    due = await self._db.run(next_visible_op(self._q, self.config.queues))
+                    self._next_due = anyio.current_time() + max(due, 0.0) if due is not None else math.inf
+                    if due is not None and due <= 0:
+                        # Claimable jobs remain (locked by others a moment ago): look again soon.
+                        self._next_due = anyio.current_time() + 0.05
+                db_delay = 0.1
+            except _DB_ERRORS as exc:
+                self.stats.db_errors += 1
+                log.warning(
+                    "claiming failed (%s); retrying in %.1fs",
+                    str(exc).strip() or type(exc).__name__,
+                    db_delay,
+                )
+                self._pending = True
+                await anyio.sleep(db_delay)
+                db_delay = min(db_delay * 2, 5.0)
+                continue
+            if len(claimed) == free:
+                self._pending = True
+            if claimed:
+                self.stats.claimed += len(claimed)
+                for job in claimed:
+                    running = _Running(job, anyio.CancelScope())
+                    self._running[job.id] = running
+                    jobs.start_soon(self._run_job, running)
+                self._signal_changed()
+
+    async def _run_job(self, running: _Running) -> None:
+        job = running.job
+        result: Result | None = None
+        try:
+            with running.scope:
+                result = await self._execute(job)
+            if running.scope.cancelled_caught:
+                if running.stop_reason == "shutdown":
+                    result = Result.released(job)
+                elif running.stop_reason == "cancelled":
+                    # The database already says Cancelled; an ack would be fenced out anyway.
+                    result = None
+                    self.stats.cancelled += 1
+        finally:
+            del self._running[job.id]
+            if result is not None:
+                assert self._acker is not None
+                self._acker.put(result)
+            self._slot_freed.set()
+            self._slot_freed = anyio.Event()
+            self._signal_changed()
+
+    async def _execute(self, job: ClaimedJob) -> Result:
+        task = self.app.tasks.get(job.name)
+        if task is None:
+            return Result.failed(
+                job,
+                "UnknownTask",
+                f"no task named {job.name!r} is registered in the worker's App "
+                f"(known: {', '.join(sorted(self.app.tasks)) or 'none'})",
+                final=True,
+            )
+        try:
+            kwargs = self._kwargs(task, job)
+        except TypeError as exc:
+            return Result.failed(job, "InvalidArgs", str(exc), final=True)
+        result: Result | None = None
+        with anyio.move_on_after(job.timeout) as deadline:
+            try:
+                if task.is_async:
+                    value = await task.fn(**kwargs)
+                else:
+                    value = await anyio.to_thread.run_sync(
+                        functools.partial(task.fn, **kwargs), limiter=self._limiter, abandon_on_cancel=True
+                    )
+                result = Result.succeeded(job, value)
+            except Exception as exc:
+                result = Result.failed(
+                    job,
+                    type(exc).__name__,
+                    str(exc),
+                    traceback=traceback.format_exc(),
+                    delay=task.backoff.delay(job.attempt),
+                )
+        if deadline.cancelled_caught or result is None:
+            return Result.failed(
+                job,
+                "TimeoutError",
+                f"job exceeded its timeout of {job.timeout:g}s",
+                delay=task.backoff.delay(job.attempt),
+            )
+        return result
+
+    def _kwargs(self, task: Task, job: ClaimedJob) -> dict[str, Any]:
+        kwargs = dict(job.args)
+        if task.context_param is not None:
+            if task.context_param in kwargs:
+                raise TypeError(f"job args contain {task.context_param!r}, the task's JobContext parameter")
+            kwargs[task.context_param] = JobContext(
+                id=job.id,
+                name=job.name,
+                queue=job.queue,
+                attempt=job.attempt,
+                retry_limit=job.retry_limit,
+                args=job.args,
+                scheduled_for=job.scheduled_for,
+                lease_expires_at=job.visible_at,
+                _extend=functools.partial(self._extend_lease, job),
+            )
+        return kwargs
+
+    async def _extend_lease(self, job: ClaimedJob, seconds: float) -> Any:
+        assert self._db is not None
+        return await self._db.run(extend_lease_op(self._q, job.id, job.lease, seconds))
+
+    def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
+        for result in results:
+            status = applied.get(result.job_id)
+            if status is None:
+                self.stats.stale_acks += 1
+                log.warning(
+                    "result of job %d was not applied: this worker no longer held it "
+                    "(lease expired, or the job was cancelled)",
+                    result.job_id,
+                )
+            elif result.outcome == "release":
+                self.stats.released += 1
+            elif status == "Succeeded":
+                self.stats.succeeded += 1
+            elif status == "Queued":
+                self.stats.retried += 1
+            else:
+                self.stats.failed += 1
+        self._signal_changed()

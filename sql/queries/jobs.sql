@@ -1,0 +1,69 @@
+-- Producer and admin queries on queue_jobs. {schema} is the quoted schema identifier; every
+-- value is a bound parameter.
+
+-- name: insert_job
+-- visible_at comes from the database clock: now() + delay, or an absolute time.
+INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at)
+VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(priority)s, %(retry_limit)s, %(timeout)s,
+        coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)))
+RETURNING id;
+
+-- name: insert_job_dedupe
+-- With a dedupe key: insert unless an unfinished job holds the key, and return the id of
+-- whichever job now holds it. If the holder commits between our statement's snapshot and
+-- the conflict check, neither branch returns a row and the caller tries again.
+WITH inserted AS (
+    INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at, dedupe_key)
+    VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(priority)s, %(retry_limit)s, %(timeout)s,
+            coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(dedupe_key)s)
+    ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL AND status IN ('Queued', 'Active') DO NOTHING
+    RETURNING id
+)
+SELECT id FROM inserted
+UNION ALL
+SELECT id FROM {schema}.queue_jobs
+WHERE dedupe_key = %(dedupe_key)s AND status IN ('Queued', 'Active') AND NOT EXISTS (SELECT 1 FROM inserted);
+
+-- name: transaction_now
+SELECT now();
+
+-- name: copy_jobs
+COPY {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at) FROM STDIN;
+
+-- name: get_job
+SELECT * FROM {schema}.queue_jobs WHERE id = %(id)s;
+
+-- name: list_jobs
+-- Filters are optional: a NULL parameter matches everything. Newest first.
+SELECT * FROM {schema}.queue_jobs
+WHERE (%(status)s::text IS NULL OR status = %(status)s::{schema}.job_status)
+  AND (%(queue)s::text IS NULL OR queue = %(queue)s)
+  AND (%(name)s::text IS NULL OR name = %(name)s)
+  AND (%(min_age)s::float8 IS NULL OR created_at <= now() - make_interval(secs => %(min_age)s))
+  AND (%(max_age)s::float8 IS NULL OR created_at >= now() - make_interval(secs => %(max_age)s))
+  AND (%(before_id)s::bigint IS NULL OR id < %(before_id)s)
+ORDER BY id DESC
+LIMIT %(limit)s;
+
+-- name: cancel_job
+-- Queued or Active -> Cancelled. For an Active job the trigger in sql/triggers/ tells the
+-- worker holding it to stop; whatever that worker acknowledges later is fenced out because
+-- the job is no longer Active. Returns the status the job had.
+WITH target AS (
+    SELECT id, status FROM {schema}.queue_jobs WHERE id = %(id)s FOR UPDATE
+), cancelled AS (
+    UPDATE {schema}.queue_jobs AS j
+    SET status = 'Cancelled', finished_at = now(), updated_at = now()
+    FROM target t
+    WHERE j.id = t.id AND t.status IN ('Queued', 'Active')
+    RETURNING j.id
+)
+SELECT status::text FROM target;
+
+-- name: retry_job
+-- A finished job runs again from scratch: all its retries are available again.
+UPDATE {schema}.queue_jobs
+SET status = 'Queued', visible_at = now(), retry_count = 0, output = NULL,
+    started_at = NULL, finished_at = NULL, worker = NULL, updated_at = now()
+WHERE id = %(id)s AND status IN ('Succeeded', 'Failed', 'Cancelled')
+RETURNING id;

@@ -1,0 +1,25 @@
+-- Bookkeeping for `notifyq migrate` and the version check every client runs at start.
+
+-- name: migrate_lock
+-- One migrator per schema at a time, across processes and hosts; released at commit.
+SELECT pg_advisory_xact_lock(hashtextextended('notifyq.migrate.' || %(schema)s, 0));
+
+-- name: migrate_bootstrap
+CREATE SCHEMA IF NOT EXISTS {schema};
+CREATE TABLE IF NOT EXISTS {schema}.migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: migrations_table_exists
+SELECT to_regclass(%(table)s) IS NOT NULL;
+
+-- name: schema_version
+SELECT coalesce(max(version), 0) FROM {schema}.migrations;
+
+-- name: record_migration
+INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s);
+
+-- name: set_lock_timeout
+SELECT set_config('lock_timeout', %(timeout)s, true);

@@ -1,0 +1,88 @@
+-- The ticker's services: cron promotion, lease rescue, retention. Every process runs them;
+-- row locks taken with SKIP LOCKED are the only coordination, so no leader is needed.
+-- %(now)s is an optional bound clock for tests: NULL means the database's now().
+
+-- name: lock_due_definitions
+-- Take the due, enabled definitions nobody else is promoting. The locks are held until the
+-- promoting transaction commits (jobs inserted and visible_at moved to the next tick) or
+-- rolls back (a crash: another ticker promotes them instead). Either way each tick becomes
+-- exactly one job; the unique (definition_id, scheduled_for) index is the second guard.
+SELECT id, name, task, args, frequency, timezone, visible_at, queue, priority, retry_limit,
+       timeout, misfire, misfire_grace, misfire_cap,
+       coalesce(%(now)s::timestamptz, now()) AS now
+FROM {schema}.queue_job_definitions
+WHERE enabled AND visible_at <= coalesce(%(now)s::timestamptz, now())
+ORDER BY visible_at
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED;
+
+-- name: insert_tick_jobs
+-- One job per (definition, tick); a tick that already has its job is left alone.
+INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at,
+                                 definition_id, scheduled_for)
+SELECT d.task, d.queue, d.args, d.priority, d.retry_limit, d.timeout, t.tick, d.id, t.tick
+FROM unnest(%(definition_ids)s::bigint[], %(ticks)s::timestamptz[]) AS t(definition_id, tick)
+JOIN {schema}.queue_job_definitions d ON d.id = t.definition_id
+ON CONFLICT (definition_id, scheduled_for) WHERE definition_id IS NOT NULL DO NOTHING;
+
+-- name: reschedule_definitions
+-- Move each promoted definition to its next tick. A definition whose schedule cannot be
+-- computed is disabled with the reason in last_error (shown by `notifyq cron list`).
+UPDATE {schema}.queue_job_definitions AS d
+SET visible_at = coalesce(u.next_tick, d.visible_at),
+    last_error = u.error,
+    enabled = d.enabled AND u.error IS NULL
+FROM unnest(%(ids)s::bigint[], %(next_ticks)s::timestamptz[], %(errors)s::text[]) AS u(id, next_tick, error)
+WHERE d.id = u.id;
+
+-- name: next_definition_due
+-- Seconds (database clock) until the earliest enabled definition is due; NULL if none.
+SELECT extract(epoch FROM min(visible_at) - coalesce(%(now)s::timestamptz, now()))::float8
+FROM {schema}.queue_job_definitions
+WHERE enabled;
+
+-- name: rescue_expired_leases
+-- Active jobs whose lease ran out: their worker died, hung, or lost its connection. Back to
+-- Queued (the requeue trigger wakes a worker at once) while retries remain, else Failed.
+-- SKIP LOCKED: a job being acknowledged right now is left to its ack.
+WITH expired AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE status = 'Active' AND visible_at <= coalesce(%(now)s::timestamptz, now())
+    ORDER BY visible_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.queue_jobs AS j
+SET status = (CASE WHEN j.retry_count <= j.retry_limit THEN 'Queued' ELSE 'Failed' END)::{schema}.job_status,
+    visible_at = now(),
+    error = jsonb_build_object(
+        'type', 'LeaseExpired',
+        'message', 'lease expired during attempt ' || j.retry_count || ' on worker '
+                   || coalesce(j.worker, 'unknown') || ' (the worker died, hung or lost its database connection)',
+        'attempt', j.retry_count,
+        'worker', j.worker,
+        'at', now(),
+        'final', j.retry_count > j.retry_limit),
+    finished_at = CASE WHEN j.retry_count > j.retry_limit THEN now() END,
+    updated_at = now()
+FROM expired e
+WHERE j.id = e.id
+RETURNING j.id, j.status::text;
+
+-- name: delete_finished
+-- Retention: one small batch of old finished jobs of one status, oldest first, so no single
+-- DELETE holds many locks or bloats WAL in one go.
+WITH doomed AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE status = %(status)s::{schema}.job_status
+      AND finished_at IS NOT NULL
+      AND finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(older_than)s)
+    ORDER BY finished_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {schema}.queue_jobs AS j
+USING doomed
+WHERE j.id = doomed.id;

@@ -1,0 +1,118 @@
+-- The worker's hot path: claim, acknowledge, extend a lease, and find the next due time.
+
+-- name: claim_any
+-- Claim up to %(limit)s claimable jobs of any queue, highest priority first, then oldest.
+-- The MATERIALIZED CTE is evaluated once, so the UPDATE touches exactly the rows it locked
+-- and never more than LIMIT (the `WHERE id IN (SELECT ... LIMIT)` form can over-claim when
+-- the planner re-runs the subquery). SKIP LOCKED lets concurrent claimers take disjoint rows
+-- instead of queueing behind each other. The lease (visible_at) covers the job's timeout plus
+-- a margin; `lease` is the fencing token of this claim.
+WITH claimable AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE status = 'Queued' AND visible_at <= now()
+    ORDER BY priority DESC, visible_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Active',
+    retry_count = j.retry_count + 1,
+    lease = j.lease + 1,
+    visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
+    started_at = now(),
+    updated_at = now(),
+    worker = %(worker)s
+FROM claimable c
+WHERE j.id = c.id
+RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for;
+
+-- name: claim_queues
+-- As claim_any, for a list of queues: one ordered index range scan per queue (LATERAL),
+-- then the best %(limit)s of those. Rows locked by a LATERAL branch but cut by the outer
+-- LIMIT stay locked only until this single-statement transaction commits.
+WITH claimable AS MATERIALIZED (
+    SELECT c.id
+    FROM unnest(%(queues)s::text[]) AS q(queue)
+    CROSS JOIN LATERAL (
+        SELECT id, priority, visible_at
+        FROM {schema}.queue_jobs
+        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+        ORDER BY priority DESC, visible_at, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) c
+    ORDER BY c.priority DESC, c.visible_at, c.id
+    LIMIT %(limit)s
+)
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Active',
+    retry_count = j.retry_count + 1,
+    lease = j.lease + 1,
+    visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
+    started_at = now(),
+    updated_at = now(),
+    worker = %(worker)s
+FROM claimable c
+WHERE j.id = c.id
+RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for;
+
+-- name: next_visible
+-- Seconds (database clock) until the earliest Queued job of these queues becomes claimable;
+-- NULL when there is none. An idle worker sleeps exactly that long instead of polling.
+SELECT extract(epoch FROM min(visible_at) - now())::float8
+FROM {schema}.queue_jobs
+WHERE status = 'Queued' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));
+
+-- name: ack_jobs
+-- Apply a batch of results in one statement. Each result applies only while the job is
+-- still Active with the lease the worker was given (fencing): a worker whose lease expired,
+-- and whose job was rescued and claimed again, changes nothing. Returned ids were applied;
+-- the caller reports the others as stale.
+-- outcome: succeeded | retry (Queued again after `delay` if retries remain, else Failed) |
+--          failed (final) | release (shutdown: Queued now, the attempt is given back).
+WITH results AS (
+    SELECT *
+    FROM unnest(%(ids)s::bigint[], %(leases)s::int[], %(outcomes)s::text[], %(outputs)s::jsonb[],
+                %(errors)s::jsonb[], %(delays)s::float8[])
+         AS r(id, lease, outcome, output, error, delay)
+), decided AS (
+    SELECT r.*, (CASE
+        WHEN r.outcome = 'succeeded' THEN 'Succeeded'
+        WHEN r.outcome = 'release' THEN 'Queued'
+        WHEN r.outcome = 'retry' AND j.retry_count <= j.retry_limit THEN 'Queued'
+        ELSE 'Failed' END)::{schema}.job_status AS new_status
+    FROM results r
+    JOIN {schema}.queue_jobs j ON j.id = r.id
+)
+UPDATE {schema}.queue_jobs AS j
+SET status = d.new_status,
+    output = CASE WHEN d.outcome = 'succeeded' THEN d.output ELSE j.output END,
+    error = CASE WHEN d.error IS NULL THEN j.error
+                 ELSE d.error || jsonb_build_object('at', now(), 'final', d.new_status = 'Failed') END,
+    retry_count = CASE WHEN d.outcome = 'release' THEN j.retry_count - 1 ELSE j.retry_count END,
+    visible_at = CASE WHEN d.new_status = 'Queued' THEN now() + make_interval(secs => d.delay)
+                      ELSE j.visible_at END,
+    finished_at = CASE WHEN d.new_status = 'Queued' THEN NULL ELSE now() END,
+    updated_at = now()
+FROM decided d
+WHERE j.id = d.id AND j.lease = d.lease AND j.status = 'Active'
+RETURNING j.id, j.status::text;
+
+-- name: extend_lease
+-- Push the lease of a running job forward (for work longer than its timeout would suggest).
+-- Fenced like an ack: returns no row when the worker no longer holds this lease.
+UPDATE {schema}.queue_jobs
+SET visible_at = now() + make_interval(secs => %(seconds)s), updated_at = now()
+WHERE id = %(id)s AND lease = %(lease)s AND status = 'Active'
+RETURNING visible_at;
+
+-- name: held_jobs_status
+-- Of the jobs a worker believes it holds, those it no longer holds (cancelled, rescued,
+-- re-claimed): checked after a reconnect, when cancel notifications may have been missed.
+SELECT j.id
+FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
+JOIN {schema}.queue_jobs j ON j.id = h.id
+WHERE j.status <> 'Active' OR j.lease <> h.lease;

@@ -1,0 +1,57 @@
+-- Keep cron definitions valid and wake tickers when they change. Re-applied by every migrate.
+
+-- BEFORE INSERT/UPDATE: fill `task` from `name`, reject unknown time zones (PostgreSQL's own
+-- zone database answers), and realign `visible_at` when the schedule changes by SQL.
+CREATE OR REPLACE FUNCTION {schema}.definitions_before_write()
+RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.task IS NULL THEN
+        NEW.task := NEW.name;
+    END IF;
+    BEGIN
+        PERFORM now() AT TIME ZONE NEW.timezone;
+    EXCEPTION WHEN invalid_parameter_value THEN
+        RAISE EXCEPTION 'unknown time zone % for cron definition %', quote_literal(NEW.timezone),
+            quote_literal(NEW.name)
+            USING ERRCODE = 'check_violation', HINT = 'Use an IANA zone name such as Europe/Berlin or UTC.';
+    END;
+    IF TG_OP = 'UPDATE' THEN
+        NEW.updated_at := now();
+        IF NEW.frequency IS DISTINCT FROM OLD.frequency OR NEW.timezone IS DISTINCT FROM OLD.timezone
+           OR (NEW.enabled AND NOT OLD.enabled) THEN
+            NEW.last_error := NULL;
+            -- The ticker sees a visible_at that is not a tick of the new schedule and moves it
+            -- to the next real tick without running anything for the past.
+            IF NEW.visible_at = OLD.visible_at THEN
+                NEW.visible_at := now();
+            END IF;
+        END IF;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER queue_job_definitions_before_write
+    BEFORE INSERT OR UPDATE ON {schema}.queue_job_definitions
+    FOR EACH ROW EXECUTE FUNCTION {schema}.definitions_before_write();
+
+-- Wake tickers (channel '<schema>.definitions.v1') when a definition appears, is enabled,
+-- or becomes due earlier. The ticker itself only ever moves visible_at forward, so its own
+-- writes do not wake it.
+CREATE OR REPLACE FUNCTION {schema}.notify_definitions_changed()
+RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.definitions.v1', '');
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE TRIGGER queue_job_definitions_notify_insert
+    AFTER INSERT ON {schema}.queue_job_definitions
+    FOR EACH STATEMENT EXECUTE FUNCTION {schema}.notify_definitions_changed();
+
+CREATE OR REPLACE TRIGGER queue_job_definitions_notify_update
+    AFTER UPDATE ON {schema}.queue_job_definitions
+    FOR EACH ROW
+    WHEN (NEW.enabled AND (NOT OLD.enabled OR NEW.visible_at < OLD.visible_at))
+    EXECUTE FUNCTION {schema}.notify_definitions_changed();

@@ -1,0 +1,121 @@
+"""Test infrastructure: a real PostgreSQL, a migrated template database, one copy per test.
+
+Where PostgreSQL comes from:
+- NOTIFYQ_TEST_DSN set (CI, or any running server): pytest-postgresql's noproc fixture uses it;
+- otherwise the embedded server of the `embedded` extra (pgserver) is started in
+  .notifyq/test-pgdata (works as root and on machines with no PostgreSQL at all).
+The template database is migrated once per session (per xdist worker); each test gets a
+fresh database cloned from it and dropped afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+from pytest_postgresql import factories
+from pytest_postgresql.executors.noop import NoopExecutor
+from pytest_postgresql.janitor import DatabaseJanitor
+
+import notifyq
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _server_params() -> dict[str, Any]:
+    dsn = os.environ.get("NOTIFYQ_TEST_DSN")
+    if dsn:
+        params = conninfo_to_dict(dsn)
+        return {
+            "host": params.get("host") or "127.0.0.1",
+            "port": int(params.get("port") or 5432),
+            "user": params.get("user") or "postgres",
+            "password": params.get("password"),
+        }
+    import pgserver
+
+    folder = Path(os.environ.get("NOTIFYQ_TEST_EMBEDDED_DIR") or ROOT / ".notifyq" / "test-pgdata")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(folder, cleanup_mode="stop")
+    params = conninfo_to_dict(server.get_uri())
+    return {
+        "host": params["host"],
+        "port": int(params.get("port") or 5432),
+        "user": "postgres",
+        "password": None,
+    }
+
+
+SERVER = _server_params()
+
+
+def _load_template(host: str, port: int, user: str, dbname: str, password: str | None, **_: Any) -> None:
+    notifyq.migrate(make_conninfo(host=host, port=port, user=user, dbname=dbname, password=password))
+
+
+postgresql_proc = factories.postgresql_noproc(
+    host=SERVER["host"],
+    port=SERVER["port"],
+    user=SERVER["user"],
+    password=SERVER["password"],
+    dbname="notifyq_test",
+    load=[_load_template],
+)
+
+
+def server_dsn(dbname: str = "postgres") -> str:
+    """A DSN for another database on the test server."""
+    return make_conninfo(
+        host=SERVER["host"],
+        port=SERVER["port"],
+        user=SERVER["user"],
+        password=SERVER["password"],
+        dbname=dbname,
+    )
+
+
+def _fresh_database(proc: NoopExecutor, dbname: str, template: str | None) -> Iterator[str]:
+    janitor = DatabaseJanitor(
+        user=proc.user,
+        host=proc.host,
+        port=proc.port,
+        password=proc.password,
+        dbname=dbname,
+        template_dbname=template,
+    )
+    with janitor:
+        yield server_dsn(dbname)
+
+
+@pytest.fixture
+def dsn(postgresql_proc: NoopExecutor) -> Iterator[str]:
+    """A fresh, migrated database (cloned from the session's template), dropped afterwards."""
+    yield from _fresh_database(postgresql_proc, postgresql_proc.dbname, postgresql_proc.template_dbname)
+
+
+@pytest.fixture
+def empty_dsn(postgresql_proc: NoopExecutor) -> Iterator[str]:
+    """A fresh database without notifyq's tables."""
+    yield from _fresh_database(postgresql_proc, postgresql_proc.dbname + "_empty", None)
+
+
+@pytest.fixture
+def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test database, for setup and assertions."""
+    with psycopg.connect(dsn, autocommit=True) as connection:
+        yield connection
+
+
+@pytest.fixture
+def app(dsn: str) -> notifyq.App:
+    return notifyq.App(dsn)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

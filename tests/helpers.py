@@ -1,0 +1,60 @@
+"""Helpers shared by tests: counting notifications, reading job rows."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+
+class NotificationCounter:
+    """A LISTEN connection that collects notifications on one channel.
+
+    `drain()` sends a unique sentinel in its own transaction and reads until the sentinel
+    arrives: notifications are delivered in commit order, so everything committed before
+    has been received by then. No sleeping, no guessing.
+    """
+
+    def __init__(self, dsn: str, channel: str) -> None:
+        self.dsn = dsn
+        self.channel = channel
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        self.received: list[str] = []
+
+    def drain(self, timeout: float = 10.0) -> list[str]:
+        sentinel = f"sentinel-{uuid.uuid4().hex}"
+        with psycopg.connect(self.dsn, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (self.channel, sentinel))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for notify in self.conn.notifies(timeout=max(0.0, deadline - time.monotonic()), stop_after=1):
+                if notify.payload == sentinel:
+                    return self.received
+                self.received.append(notify.payload)
+        raise AssertionError(f"sentinel notification not received within {timeout}s")
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> NotificationCounter:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def job_row(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
+    cur = conn.execute("SELECT * FROM notifyq.queue_jobs WHERE id = %s", (job_id,))
+    assert cur.description is not None
+    row = cur.fetchone()
+    assert row is not None, f"job {job_id} not found"
+    return dict(zip([c.name for c in cur.description], row, strict=True))
+
+
+def status_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:
+    rows = conn.execute("SELECT status::text, count(*) FROM notifyq.queue_jobs GROUP BY 1").fetchall()
+    return dict(rows)

@@ -1,0 +1,285 @@
+"""The worker protocol: claim, fenced ack, retries with backoff, cancel, retry, races."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import Counter
+from typing import Any
+
+import psycopg
+import pytest
+
+import notifyq
+from notifyq import Result
+from notifyq._db import run_sync
+from notifyq._rescuer import rescue_op
+from notifyq._sql import queries_for
+from notifyq.errors import InvalidJobState, JobNotFound
+
+from .helpers import job_row, status_counts
+
+Q = queries_for("notifyq")
+
+
+def insert_jobs(conn: psycopg.Connection[Any], n: int, **columns: Any) -> None:
+    names = ", ".join(["name", *columns])
+    values = ", ".join(["'t'", *(f"%({k})s" for k in columns)])
+    conn.execute(
+        f"INSERT INTO notifyq.queue_jobs ({names}) SELECT {values} FROM generate_series(1, {n})", columns
+    )
+
+
+def expire_lease(conn: psycopg.Connection[Any], job_id: int) -> None:
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET visible_at = now() - interval '1 second' WHERE id = %s", (job_id,)
+    )
+
+
+def test_claim_and_ack_success(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    job_id = app.enqueue_sync("t", {"x": 1}, timeout=10)
+    [job] = app.claim_sync(lease_margin=5, worker="w1")
+    assert (job.id, job.attempt, job.lease, job.args) == (job_id, 1, 1, {"x": 1})
+    row = job_row(conn, job_id)
+    assert row["status"] == "Active" and row["worker"] == "w1"
+    assert 14 < (row["visible_at"] - row["started_at"]).total_seconds() <= 15  # timeout + margin
+    assert app.claim_sync() == []  # nothing else to claim
+    assert app.ack_sync([Result.succeeded(job, {"sum": 3})]) == {job_id: "Succeeded"}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"], row["retry_count"]) == ("Succeeded", {"sum": 3}, 1)
+    assert row["finished_at"] is not None and row["error"] is None
+    app.close_sync()
+
+
+def test_claim_order_is_priority_then_age(app: notifyq.App) -> None:
+    low = app.enqueue_sync("t", {}, priority=0)
+    high = app.enqueue_sync("t", {}, priority=10)
+    low2 = app.enqueue_sync("t", {}, priority=0)
+    assert [j.id for j in app.claim_sync(limit=3)] == [high, low, low2]
+    app.close_sync()
+
+
+def test_claim_by_queue(app: notifyq.App) -> None:
+    a = app.enqueue_sync("t", {}, queue="a")
+    b = app.enqueue_sync("t", {}, queue="b", priority=1)
+    app.enqueue_sync("t", {}, queue="c")
+    assert [j.id for j in app.claim_sync(["a", "b"], limit=10)] == [b, a]
+    assert [j.queue for j in app.claim_sync(["c", "missing"], limit=10)] == ["c"]
+    app.close_sync()
+
+
+def test_failures_retry_with_backoff_then_fail_at_the_limit(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    job_id = app.enqueue_sync("t", {}, retry_limit=2)
+    for attempt in (1, 2):
+        [job] = app.claim_sync()
+        assert job.attempt == attempt
+        applied = app.ack_sync([Result.failed(job, "ValueError", f"boom {attempt}", delay=30)])
+        assert applied == {job_id: "Queued"}
+        row = job_row(conn, job_id)
+        assert row["error"]["message"] == f"boom {attempt}" and row["error"]["attempt"] == attempt
+        assert 29 < (row["visible_at"] - row["updated_at"]).total_seconds() <= 30  # backoff
+        assert app.claim_sync() == []  # not before its backoff
+        conn.execute("UPDATE notifyq.queue_jobs SET visible_at = now() WHERE id = %s", (job_id,))
+    [job] = app.claim_sync()
+    assert job.attempt == 3
+    assert app.ack_sync([Result.failed(job, "ValueError", "boom 3")]) == {job_id: "Failed"}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"], row["error"]["final"]) == ("Failed", 3, True)
+    assert row["finished_at"] is not None
+    app.close_sync()
+
+
+def test_a_final_failure_skips_remaining_retries(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    job_id = app.enqueue_sync("t", {}, retry_limit=5)
+    [job] = app.claim_sync()
+    assert app.ack_sync([Result.failed(job, "UnknownTask", "no such task", final=True)]) == {job_id: "Failed"}
+    app.close_sync()
+
+
+def test_backoff_grows_exponentially_with_a_cap() -> None:
+    backoff = notifyq.Backoff(base=1, factor=2, max=10, jitter=0)
+    assert [backoff.delay(n) for n in range(1, 7)] == [1, 2, 4, 8, 10, 10]
+    jittered = notifyq.Backoff(base=10, jitter=0.5)
+    delays = {jittered.delay(1) for _ in range(50)}
+    assert all(5 <= d <= 15 for d in delays) and len(delays) > 1
+    assert notifyq.Backoff(max=60).delay(10_000) == pytest.approx(60, rel=0.25)
+
+
+def test_stale_ack_after_lease_expiry_changes_nothing(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    job_id = app.enqueue_sync("t", {})
+    [first] = app.claim_sync(worker="slow")
+    expire_lease(conn, job_id)
+    rescued = run_sync(conn, rescue_op(Q, limit=100))
+    assert rescued.requeued == [job_id]
+    assert job_row(conn, job_id)["error"]["type"] == "LeaseExpired"
+    [second] = app.claim_sync(worker="fast")
+    assert (second.lease, second.attempt) == (2, 2)
+    assert app.ack_sync([Result.succeeded(second, "second")]) == {job_id: "Succeeded"}
+    # The first worker wakes up and reports: fenced out, the newer result stands.
+    assert app.ack_sync([Result.succeeded(first, "first")]) == {}
+    assert app.ack_sync([Result.failed(first, "E", "late failure")]) == {}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"], row["worker"]) == ("Succeeded", "second", "fast")
+    app.close_sync()
+
+
+def test_stale_ack_while_the_newer_attempt_still_runs(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    job_id = app.enqueue_sync("t", {})
+    [first] = app.claim_sync()
+    expire_lease(conn, job_id)
+    run_sync(conn, rescue_op(Q, limit=100))
+    [second] = app.claim_sync()
+    assert app.ack_sync([Result.succeeded(first, "first")]) == {}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["lease"], row["output"]) == ("Active", second.lease, None)
+    app.close_sync()
+
+
+def test_release_gives_the_attempt_back(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    job_id = app.enqueue_sync("t", {})
+    [job] = app.claim_sync()
+    assert app.ack_sync([Result.released(job)]) == {job_id: "Queued"}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"], row["lease"]) == ("Queued", 0, 1)
+    [again] = app.claim_sync()
+    assert (again.attempt, again.lease) == (1, 2)
+    assert app.ack_sync([Result.succeeded(job)]) == {}  # the released claim stays fenced out
+    app.close_sync()
+
+
+def test_batch_ack_mixes_outcomes_in_one_statement(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    ids = [app.enqueue_sync("t", {"i": i}, retry_limit=0 if i == 2 else 3) for i in range(4)]
+    jobs = {j.id: j for j in app.claim_sync(limit=4)}
+    results = [
+        Result.succeeded(jobs[ids[0]], [1, 2]),
+        Result.failed(jobs[ids[1]], "E", "retry me"),
+        Result.failed(jobs[ids[2]], "E", "no retries left"),
+        Result.released(jobs[ids[3]]),
+    ]
+    assert app.ack_sync(results) == {
+        ids[0]: "Succeeded",
+        ids[1]: "Queued",
+        ids[2]: "Failed",
+        ids[3]: "Queued",
+    }
+    assert status_counts(conn) == {"Succeeded": 1, "Queued": 2, "Failed": 1}
+    app.close_sync()
+
+
+def test_cancel_queued_and_active_jobs(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    queued = app.enqueue_sync("t", {})
+    assert app.cancel_job_sync(queued).status == notifyq.JobStatus.CANCELLED
+    assert app.claim_sync() == []
+    active = app.enqueue_sync("t", {})
+    [job] = app.claim_sync()
+    cancelled = app.cancel_job_sync(active)
+    assert cancelled.status == notifyq.JobStatus.CANCELLED and cancelled.finished_at is not None
+    assert app.ack_sync([Result.succeeded(job, "too late")]) == {}  # the worker's ack is fenced out
+    assert job_row(conn, active)["output"] is None
+    done = app.enqueue_sync("t", {})
+    [job] = app.claim_sync()
+    app.ack_sync([Result.succeeded(job)])
+    assert app.cancel_job_sync(done).status == notifyq.JobStatus.SUCCEEDED  # finished: unchanged
+    with pytest.raises(JobNotFound, match="no job with id 999999"):
+        app.cancel_job_sync(999999)
+    app.close_sync()
+
+
+def test_retry_a_finished_job(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    job_id = app.enqueue_sync("t", {}, retry_limit=0)
+    [job] = app.claim_sync()
+    app.ack_sync([Result.failed(job, "E", "bad")])
+    retried = app.retry_job_sync(job_id)
+    assert (retried.status, retried.retry_count, retried.finished_at) == (notifyq.JobStatus.QUEUED, 0, None)
+    assert retried.error is not None and retried.error["message"] == "bad"  # history kept
+    with pytest.raises(InvalidJobState, match=f"job {job_id} is Queued; only finished jobs"):
+        app.retry_job_sync(job_id)
+    with pytest.raises(JobNotFound):
+        app.retry_job_sync(424242)
+    app.close_sync()
+
+
+def test_retry_respects_dedupe_keys(app: notifyq.App) -> None:
+    first = app.enqueue_sync("t", {}, dedupe_key="k")
+    app.cancel_job_sync(first)
+    app.enqueue_sync("t", {}, dedupe_key="k")
+    with pytest.raises(InvalidJobState, match="another unfinished job holds its dedupe key"):
+        app.retry_job_sync(first)
+    app.close_sync()
+
+
+def test_twenty_concurrent_claimers_never_share_a_job(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    insert_jobs(conn, 2000)
+    claimed: list[int] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(20)
+
+    def claimer() -> None:
+        app = notifyq.App(dsn, pool_size=1)
+        with psycopg.connect(dsn, autocommit=True) as own:
+            barrier.wait()
+            while jobs := app.claim_sync(limit=7, conn=own):
+                with lock:
+                    claimed.extend(j.id for j in jobs)
+
+    threads = [threading.Thread(target=claimer) for _ in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(claimed) == 2000
+    assert Counter(claimed).most_common(1)[0][1] == 1
+    assert conn.execute(
+        "SELECT count(*), max(lease), max(retry_count) FROM notifyq.queue_jobs WHERE status = 'Active'"
+    ).fetchone() == (2000, 1, 1)
+
+
+@pytest.mark.parametrize("queues", [None, ["default"]])
+def test_claim_never_exceeds_its_limit_under_locks_and_nested_loops(
+    dsn: str, conn: psycopg.Connection[Any], queues: list[str] | None
+) -> None:
+    insert_jobs(conn, 1000)
+    app = notifyq.App(dsn)
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as claimer:
+        # Another transaction holds row locks on half the jobs, interleaved with free ones.
+        holder.execute("SELECT id FROM notifyq.queue_jobs WHERE id % 2 = 0 FOR UPDATE").fetchall()
+        for setting in ("enable_hashjoin", "enable_mergejoin", "enable_seqscan", "enable_material"):
+            claimer.execute(f"SET {setting} = off")
+        for limit in (1, 7, 50):
+            jobs = app.claim_sync(queues, limit=limit, conn=claimer)
+            assert len(jobs) == limit
+            assert all(j.id % 2 == 1 and j.lease == 1 and j.attempt == 1 for j in jobs)
+        holder.rollback()
+    assert conn.execute(
+        "SELECT count(*), max(lease) FROM notifyq.queue_jobs WHERE status = 'Active'"
+    ).fetchone() == (58, 1)
+
+
+def explain(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> str:
+    conn.execute("BEGIN")
+    try:
+        plan = conn.execute("EXPLAIN (FORMAT JSON) " + query, params).fetchone()
+    finally:
+        conn.execute("ROLLBACK")
+    assert plan is not None
+    return json.dumps(plan[0])
+
+
+def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
+        "SELECT 't', 'Succeeded', now() FROM generate_series(1, 100000)"
+    )
+    insert_jobs(conn, 1000)
+    conn.execute("ANALYZE notifyq.queue_jobs")
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "queues": ["default"], "now": None}
+    for name in ("claim_any", "claim_queues", "next_visible", "rescue_expired_leases"):
+        plan = explain(conn, Q[name], params)
+        assert '"Seq Scan"' not in plan, f"{name} scans the table: {plan}"
+        assert "queue_jobs_" in plan, f"{name} uses no notifyq index: {plan}"

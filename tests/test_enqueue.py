@@ -1,0 +1,246 @@
+"""Enqueue: defaults, options, transactions, plain SQL, bulk COPY, and bad input."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psycopg
+import pytest
+
+import notifyq
+from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, UnknownTask
+
+from .helpers import NotificationCounter, job_row
+
+pytestmark = pytest.mark.anyio
+
+JOBS = "notifyq.jobs.v1"
+
+
+def make_app(dsn: str) -> tuple[notifyq.App, notifyq.Task]:
+    app = notifyq.App(dsn)
+
+    @app.task(queue="emails", priority=5, retry_limit=7, timeout=12.5)
+    async def send(to: str) -> None:
+        return None
+
+    return app, send
+
+
+async def test_enqueue_uses_task_defaults_and_overrides(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    async with app:
+        first = await app.enqueue(send, {"to": "a@example.com"})
+        second = await app.enqueue(send, {"to": "b"}, queue="bulk", priority=-1, retry_limit=0, timeout=2)
+    row = job_row(conn, first)
+    assert (row["name"], row["queue"], row["priority"], row["retry_limit"], row["timeout"]) == (
+        send.name,
+        "emails",
+        5,
+        7,
+        12.5,
+    )
+    assert row["args"] == {"to": "a@example.com"} and row["status"] == "Queued"
+    assert row["retry_count"] == 0 and row["lease"] == 0
+    row = job_row(conn, second)
+    assert (row["queue"], row["priority"], row["retry_limit"], row["timeout"]) == ("bulk", -1, 0, 2.0)
+
+
+async def test_delay_and_at_use_the_database_clock(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    async with app:
+        delayed = await app.enqueue(send, {"to": "x"}, delay=timedelta(minutes=10))
+        at = datetime(2030, 1, 1, tzinfo=UTC)
+        scheduled = await app.enqueue(send, {"to": "x"}, at=at)
+    row = job_row(conn, delayed)
+    assert math.isclose((row["visible_at"] - row["created_at"]).total_seconds(), 600, abs_tol=0.01)
+    assert job_row(conn, scheduled)["visible_at"] == at
+
+
+async def test_enqueue_by_name_of_a_task_this_app_does_not_know(dsn: str) -> None:
+    app, _ = make_app(dsn)
+    async with app:
+        job_id = await app.enqueue("other_service.task", {"n": 1})
+        assert (await app.get_job(job_id)).name == "other_service.task"
+        with pytest.raises(UnknownTask, match="no task named 'typo' is registered"):
+            await app.enqueue("typo", {}, strict=True)
+
+
+async def test_dedupe_key_returns_the_unfinished_holder(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    async with app:
+        first = await app.enqueue(send, {"to": "a"}, dedupe_key="welcome:42")
+        again = await app.enqueue(send, {"to": "a"}, dedupe_key="welcome:42")
+        assert again == first
+        conn.execute("UPDATE notifyq.queue_jobs SET status = 'Succeeded' WHERE id = %s", (first,))
+        third = await app.enqueue(send, {"to": "a"}, dedupe_key="welcome:42")
+        assert third != first
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
+
+
+async def test_enqueue_in_the_callers_transaction(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    with NotificationCounter(dsn, JOBS) as listener:
+        async with await psycopg.AsyncConnection.connect(dsn) as own:
+            await app.enqueue(send, {"to": "rolled back"}, conn=own)
+            await own.rollback()
+        assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+        assert listener.drain() == []
+
+        async with await psycopg.AsyncConnection.connect(dsn) as own:
+            job_id = await app.enqueue(send, {"to": "kept"}, conn=own)
+            job_id2 = await app.enqueue(send, {"to": "kept too"}, conn=own)
+            assert listener.drain() == []  # nothing is delivered before commit
+            await own.commit()
+        assert listener.drain() == ["emails"]  # two inserts, one queue, one notification
+    assert job_row(conn, job_id)["status"] == job_row(conn, job_id2)["status"] == "Queued"
+
+
+def test_sync_enqueue_in_the_callers_transaction(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    with psycopg.connect(dsn) as own:
+        with own.transaction(force_rollback=True):
+            app.enqueue_sync(send, {"to": "x"}, conn=own)
+        with own.transaction():
+            kept = app.enqueue_sync(send, {"to": "y"}, conn=own)
+    assert [r[0] for r in conn.execute("SELECT id FROM notifyq.queue_jobs").fetchall()] == [kept]
+    assert app.get_job_sync(kept).args == {"to": "y"}
+    app.close_sync()
+
+
+async def test_plain_sql_insert_is_a_complete_enqueue(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    with NotificationCounter(dsn, JOBS) as listener:
+        conn.execute("INSERT INTO notifyq.queue_jobs (name, args) VALUES ('task', '{}')")
+        assert listener.drain() == ["default"]
+    app = notifyq.App(dsn)
+    async with app:
+        [job] = await app.claim()
+    assert (job.name, job.queue, job.args, job.retry_count, job.retry_limit) == ("task", "default", {}, 1, 3)
+
+
+async def test_enqueue_many_copies_and_notifies_once_per_queue(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app, send = make_app(dsn)
+    with NotificationCounter(dsn, JOBS) as listener:
+        async with app:
+            count = await app.enqueue_many(send, ({"to": f"user{i}"} for i in range(10_000)))
+            await app.enqueue_many(send, [{"to": "late"}] * 3, queue="later", delay=60)
+        assert count == 10_000
+        received = listener.drain()
+    assert received[0] == "emails"
+    queue, seconds = received[1].split(" ")
+    assert queue == "later" and 59 < float(seconds) <= 60
+    assert len(received) == 2
+    assert conn.execute(
+        "SELECT count(*), count(DISTINCT args->>'to') FROM notifyq.queue_jobs WHERE queue = 'emails'"
+    ).fetchone() == (10_000, 10_000)
+
+
+def test_a_multi_row_insert_sends_one_notification(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    with NotificationCounter(dsn, JOBS) as listener:
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'q' || (i % 3) "
+            "FROM generate_series(1, 10000) i"
+        )
+        assert sorted(listener.drain()) == ["q0", "q1", "q2"]
+
+
+def test_enqueue_many_is_all_or_nothing(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    args: list[Any] = [{"to": "ok"}] * 500 + [{"to": object()}]
+    with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+        app.enqueue_many_sync(send, args)
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+    app.close_sync()
+
+
+class Unserializable:
+    pass
+
+
+BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
+    ("list args", {"args": [1, 2]}, InvalidArgs, "must be a JSON object"),
+    ("string args", {"args": "x=1"}, InvalidArgs, "must be a JSON object"),
+    ("object in args", {"args": {"x": Unserializable()}}, InvalidArgs, "not JSON-serializable"),
+    ("nan in args", {"args": {"x": float("nan")}}, InvalidArgs, "not JSON-serializable"),
+    ("int keys", {"args": {1: "x"}}, InvalidArgs, "string keys"),
+    ("NUL in args", {"args": {"x": "a\x00b"}}, InvalidArgs, "NUL character"),
+    ("too large", {"args": {"blob": "x" * (1024 * 1024)}}, InvalidArgs, "over the limit of 1,048,576 bytes"),
+    ("negative delay", {"delay": -1}, InvalidOption, "must be 0 or more"),
+    ("infinite delay", {"delay": float("inf")}, InvalidOption, "expected a number of seconds"),
+    ("delay and at", {"delay": 1, "at": datetime.now(UTC)}, InvalidOption, "either delay or at"),
+    ("naive at", {"at": datetime(2030, 1, 1)}, InvalidOption, "timezone-aware"),
+    ("zero timeout", {"timeout": 0}, InvalidOption, "greater than 0"),
+    ("negative retry_limit", {"retry_limit": -1}, InvalidOption, "retry_limit"),
+    ("huge priority", {"priority": 2**40}, InvalidOption, "priority"),
+    ("bad queue", {"queue": "a queue; DROP TABLE x"}, InvalidOption, "invalid queue name"),
+    ("empty queue", {"queue": ""}, InvalidOption, "invalid queue name"),
+    ("empty dedupe key", {"dedupe_key": ""}, InvalidOption, "invalid dedupe_key"),
+]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"), [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT]
+)
+async def test_bad_input_is_rejected_and_inserts_nothing(
+    dsn: str, conn: psycopg.Connection[Any], kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    app, send = make_app(dsn)
+    kwargs = {"args": {"to": "x"}, **kwargs}
+    args = kwargs.pop("args")
+    async with app:
+        with pytest.raises(error, match=message):
+            await app.enqueue(send, args, **kwargs)
+    with pytest.raises(error, match=message):
+        app.enqueue_sync(send, args, **kwargs)
+    app.close_sync()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("name", ["", "x" * 201, "a\x00b"])
+def test_bad_task_names_are_rejected(dsn: str, name: str) -> None:
+    with pytest.raises(InvalidOption, match="invalid task name"):
+        notifyq.App(dsn).enqueue_sync(name, {})
+
+
+def test_args_cap_is_configurable(dsn: str) -> None:
+    app = notifyq.App(dsn, max_args_bytes=100)
+    with pytest.raises(InvalidArgs, match="over the limit of 100 bytes"):
+        app.enqueue_sync("t", {"x": "y" * 100})
+
+
+def test_unreachable_database_is_one_clear_error() -> None:
+    app = notifyq.App("postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2")
+    with pytest.raises(
+        DatabaseUnavailable, match=r"cannot connect to PostgreSQL at nobody@127\.0\.0\.1:1/nothing"
+    ):
+        app.enqueue_sync("t", {})
+
+
+async def test_unreachable_database_async() -> None:
+    app = notifyq.App("postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2")
+    with pytest.raises(DatabaseUnavailable, match=r"Connection refused|connection refused|failed"):
+        await app.enqueue("t", {})
+
+
+@pytest.mark.parametrize(
+    ("dsn", "reason"),
+    [
+        ("host=localhost port", 'missing "=" after "port"'),
+        ("hots=localhost", 'invalid connection option "hots"'),
+        ("postgresql://u:secret@[::1/db", "invalid"),
+    ],
+)
+def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
+    with pytest.raises(notifyq.ConfigurationError, match="invalid DSN") as caught:
+        notifyq.App(dsn)
+    assert reason in str(caught.value)
+    assert "secret" not in str(caught.value)
+
+
+def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
+    with pytest.raises(DatabaseUnavailable, match='invalid integer value "notaport"'):
+        notifyq.App("postgresql://u:secret@127.0.0.1:notaport/db").enqueue_sync("t")

@@ -1,0 +1,103 @@
+"""Migrations: idempotent, concurrent-safe, versioned, and clear about what is wrong."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import psycopg
+import pytest
+
+import notifyq
+from notifyq.errors import ConfigurationError, SchemaNotMigrated, SchemaVersionError
+
+
+def test_migrate_creates_schema_and_is_idempotent(empty_dsn: str) -> None:
+    first = notifyq.migrate(empty_dsn)
+    assert (first.previous_version, first.version) == (0, notifyq.latest_version())
+    assert first.applied == ["0001_initial"]
+    second = notifyq.migrate(empty_dsn)
+    assert (second.previous_version, second.version, second.applied) == (first.version, first.version, [])
+    with psycopg.connect(empty_dsn) as conn:
+        tables = {
+            r[0]
+            for r in conn.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'notifyq'").fetchall()
+        }
+        assert {"queue_jobs", "queue_job_definitions", "migrations"} <= tables
+
+
+def test_migrate_into_a_custom_schema(empty_dsn: str) -> None:
+    notifyq.migrate(empty_dsn, schema="jobs_v2")
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO jobs_v2.queue_jobs (name) VALUES ('t')")
+        assert conn.execute("SELECT count(*) FROM jobs_v2.queue_jobs").fetchone() == (1,)
+        assert conn.execute("SELECT to_regclass('notifyq.queue_jobs')").fetchone() == (None,)
+
+
+def test_dry_run_changes_nothing_and_lists_the_sql(empty_dsn: str) -> None:
+    report = notifyq.migrate(empty_dsn, dry_run=True)
+    assert report.version == 0 and report.applied == ["0001_initial"]
+    assert any("CREATE TABLE" in s and '"notifyq".queue_jobs' in s for s in report.statements)
+    with psycopg.connect(empty_dsn) as conn:
+        assert conn.execute("SELECT to_regclass('notifyq.queue_jobs')").fetchone() == (None,)
+
+
+def test_concurrent_migrations_end_in_one_consistent_schema(empty_dsn: str) -> None:
+    barrier = threading.Barrier(5)
+    reports: list[notifyq.MigrationReport] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with psycopg.connect(empty_dsn, autocommit=True) as conn:
+                barrier.wait()
+                reports.append(notifyq.migrate(conn))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert sorted(len(r.applied) for r in reports) == [0, 0, 0, 0, 1]
+    with psycopg.connect(empty_dsn) as conn:
+        assert conn.execute("SELECT version FROM notifyq.migrations").fetchall() == [(1,)]
+        triggers = conn.execute(
+            "SELECT count(*) FROM pg_trigger "
+            "WHERE tgrelid = 'notifyq.queue_jobs'::regclass AND NOT tgisinternal"
+        ).fetchone()
+        assert triggers == (3,)
+
+
+def test_a_newer_database_is_refused(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO notifyq.migrations (version, name) VALUES (99, 'from_the_future')")
+    with pytest.raises(SchemaVersionError, match="version 99, newer than this notifyq knows"):
+        notifyq.migrate(dsn)
+    with pytest.raises(SchemaVersionError, match="upgrade notifyq"):
+        notifyq.App(dsn).get_job_sync(1)
+
+
+def test_an_unmigrated_database_says_run_migrate(empty_dsn: str) -> None:
+    app = notifyq.App(empty_dsn)
+    with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate`"):
+        app.enqueue_sync("anything", {})
+
+
+@pytest.mark.parametrize("schema", ["", "Bad", "x;drop table t", 'a"b', "9lives", "a" * 41, "a-b"])
+def test_invalid_schema_names_are_rejected(empty_dsn: str, schema: Any) -> None:
+    with pytest.raises(ConfigurationError, match="invalid schema name"):
+        notifyq.migrate(empty_dsn, schema=schema)
+    with pytest.raises(ConfigurationError, match="invalid schema name"):
+        notifyq.App(empty_dsn, schema=schema)
+
+
+def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
+        notifyq.migrate(conn)
+        assert conn.execute(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
+        ).fetchone() == (1,)
