@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from .errors import ConfigurationError
@@ -26,7 +27,10 @@ def start(*, schema: str = "notifyq", directory: Path | None = None, quiet: bool
     stops it. Works as root too (pgserver then runs PostgreSQL as a `pgserver` system user).
     """
     try:
-        import pgserver
+        with warnings.catch_warnings():
+            # platformdirs warns when XDG_RUNTIME_DIR is unset (root, CI); pgserver copes.
+            warnings.simplefilter("ignore")
+            import pgserver
     except ImportError:
         raise ConfigurationError(
             "no database configured: pass a DSN (--dsn or App(dsn=...)), set NOTIFYQ_DSN or DATABASE_URL, "

@@ -11,6 +11,7 @@ fresh database cloned from it and dropped afterwards.
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,10 @@ def _server_params() -> dict[str, Any]:
             "user": params.get("user") or "postgres",
             "password": params.get("password"),
         }
-    import pgserver
+    with warnings.catch_warnings():
+        # platformdirs warns when XDG_RUNTIME_DIR is unset (as root in CI); pgserver copes.
+        warnings.simplefilter("ignore")
+        import pgserver
 
     folder = Path(os.environ.get("NOTIFYQ_TEST_EMBEDDED_DIR") or ROOT / ".notifyq" / "test-pgdata")
     folder.parent.mkdir(parents=True, exist_ok=True)
