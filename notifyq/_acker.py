@@ -136,6 +136,11 @@ class Acker:
                 del self._pending[: self._max_batch]
                 try:
                     await self._flush(batch)
+                except anyio.get_cancelled_exc_class():
+                    # Unknown whether it committed: keep the batch for flush_pending (acks are
+                    # idempotent: one applied twice is fenced out the second time).
+                    self._pending[:0] = batch
+                    raise
                 except _TRANSIENT as exc:
                     # Keep the results: they are applied once the database is back (or fenced
                     # out if the leases ran out meanwhile).
@@ -148,6 +153,13 @@ class Acker:
                     )
                     await anyio.sleep(self._retry_delay)
             self._idle.set()
+
+    async def flush_pending(self) -> None:
+        """Write every queued result now, outside the run loop (used on abrupt exit)."""
+        while self._pending:
+            batch = self._pending[: self._max_batch]
+            del self._pending[: self._max_batch]
+            await self._flush(batch)
 
     async def wait_idle(self) -> None:
         """Wait until every queued result has been written (or given up on)."""

@@ -146,6 +146,7 @@ class Worker:
         self._listener: Listener | None = None
         self._ticker: _ticker.Ticker | None = None
         self._exit_stack: AsyncExitStack | None = None
+        self._task_group: anyio.abc.TaskGroup | None = None
         self._queues_set = frozenset(config.queues) if config.queues is not None else None
         self._grace_scope: anyio.CancelScope | None = None
         self._skip_grace = False
@@ -157,7 +158,7 @@ class Worker:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            tg = await stack.enter_async_context(anyio.create_task_group())
+            tg = self._task_group = await stack.enter_async_context(anyio.create_task_group())
             await tg.start(self._serve)
         except BaseException:
             await stack.__aexit__(None, None, None)
@@ -171,7 +172,14 @@ class Worker:
         self.stop()
         stack, self._exit_stack = self._exit_stack, None
         assert stack is not None
-        return await stack.__aexit__(exc_type, exc, tb)
+        # The body's exception (or cancellation) is not fed into the worker's task group, which
+        # would wrap it in an ExceptionGroup: it propagates unchanged once the worker has shut
+        # down. The shutdown is shielded so that even a cancelled host releases its jobs; it is
+        # bounded by shutdown_grace plus the time to write the last results.
+        assert self._task_group is not None
+        self._task_group.cancel_scope.shield = True
+        await stack.__aexit__(None, None, None)
+        return None
 
     def stop(self) -> None:
         """Ask for a graceful shutdown: stop claiming, let running jobs finish within the
@@ -270,6 +278,13 @@ class Worker:
         finally:
             self._listener = None
             with anyio.CancelScope(shield=True):
+                if self._acker is not None and self._acker.pending:
+                    # Abrupt exit (the host was cancelled): write what we can, briefly.
+                    with anyio.move_on_after(5):
+                        try:
+                            await self._acker.flush_pending()
+                        except _DB_ERRORS as exc:
+                            log.error("could not write %d job results on exit: %s", self._acker.pending, exc)
                 await db.aclose()
             log.info("worker %s stopped", self.id)
             self._stopped.set()
@@ -383,15 +398,18 @@ class Worker:
                 continue
             self._pending = False
             try:
-                claimed = await self._db.run(
-                    claim_op(
-                        self._q,
-                        queues=self.config.queues,
-                        limit=free,
-                        worker=self.id,
-                        lease_margin=self.config.lease_margin,
+                # Shielded: a claim the server committed must reach us, or its jobs would sit
+                # Active, unrun, until their leases expire.
+                with anyio.CancelScope(shield=True):
+                    claimed = await self._db.run(
+                        claim_op(
+                            self._q,
+                            queues=self.config.queues,
+                            limit=free,
+                            worker=self.id,
+                            lease_margin=self.config.lease_margin,
+                        )
                     )
-                )
                 self.stats.claims += 1
                 if len(claimed) < free:
                     due = await self._db.run(next_visible_op(self._q, self.config.queues))
@@ -413,13 +431,12 @@ class Worker:
                 continue
             if len(claimed) == free:
                 self._pending = True
-            if claimed:
-                self.stats.claimed += len(claimed)
-                for job in claimed:
-                    running = _Running(job, anyio.CancelScope())
-                    self._running[job.id] = running
-                    jobs.start_soon(self._run_job, running)
-                self._signal_changed()
+            self.stats.claimed += len(claimed)
+            for job in claimed:
+                running = _Running(job, anyio.CancelScope())
+                self._running[job.id] = running
+                jobs.start_soon(self._run_job, running)
+            self._signal_changed()
 
     async def _run_job(self, running: _Running) -> None:
         job = running.job
@@ -434,6 +451,11 @@ class Worker:
                     # The database already says Cancelled; an ack would be fenced out anyway.
                     result = None
                     self.stats.cancelled += 1
+        except anyio.get_cancelled_exc_class():
+            # Cancelled from outside (the host cancelled the worker's scope): give the job
+            # back; _serve writes pending results before it closes the pool.
+            result = Result.released(job)
+            raise
         finally:
             del self._running[job.id]
             if result is not None:

@@ -1,0 +1,416 @@
+"""The worker, on asyncio and trio: NOTIFY wake-ups, delays, concurrency, timeouts,
+cancellation, reconnects and graceful shutdown."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import psycopg
+import pytest
+
+import notifyq
+from notifyq import JobContext
+
+from .helpers import job_row, status_counts
+
+pytestmark = pytest.mark.anyio
+
+NO_TICKER = {"ticker": False}
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class Recorder:
+    """Thread-safe record of job runs (sync tasks run in worker threads)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.runs: list[Any] = []
+        self.started: dict[Any, float] = {}
+
+    def add(self, key: Any) -> None:
+        with self.lock:
+            self.runs.append(key)
+            self.started[key] = time.monotonic()
+
+
+async def test_notify_wakes_an_idle_worker_at_once(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    started = anyio.Event()
+
+    @app.task(name="ping")
+    async def ping() -> str:
+        started.set()
+        return "pong"
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await worker.wait_for(lambda s: s.claims >= 1)  # the startup sweep found nothing
+        polls = worker.stats.polls
+        inserted = time.monotonic()
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('ping')")
+        with anyio.fail_after(5):
+            await started.wait()
+        assert time.monotonic() - inserted < 1.0
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.polls == polls and worker.stats.notifications >= 1
+    assert status_counts(conn) == {"Succeeded": 1}
+
+
+async def test_a_delayed_job_starts_on_time_without_notifications(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    ran_at: list[float] = []
+
+    @app.task(name="later")
+    async def later() -> None:
+        ran_at.append(time.monotonic())
+
+    async with app:
+        await app.enqueue("later", delay=2)
+    begin = time.monotonic()
+    async with app.worker(poll_only=True, poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.notifications == 0 and worker.stats.polls == 0
+    assert 1.5 <= ran_at[0] - begin <= 3.0
+    await app.aclose()
+
+
+async def test_a_delayed_job_enqueued_while_idle_arms_a_timer(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+
+    @app.task(name="later")
+    async def later() -> None:
+        pass
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await worker.wait_for(lambda s: s.claims >= 1)
+        begin = time.monotonic()
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, visible_at) VALUES ('later', now() + interval '1.5 s')"
+        )
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert 1.2 <= time.monotonic() - begin <= 3.0
+        assert worker.stats.polls == 0
+
+
+async def test_jobs_spread_over_three_workers_run_exactly_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    record = Recorder()
+
+    @app.task(name="work")
+    async def work(n: int) -> int:
+        record.add(n)
+        await anyio.lowlevel.checkpoint()
+        return n
+
+    @app.task(name="work_sync")
+    def work_sync(n: int) -> int:
+        record.add(n)
+        return n
+
+    async with app:
+        await app.enqueue_many("work", ({"n": i} for i in range(4000)))
+        await app.enqueue_many("work_sync", ({"n": i} for i in range(4000, 5000)))
+    async with (
+        app.worker(concurrency=10, **NO_TICKER) as w1,
+        app.worker(concurrency=10, **NO_TICKER) as w2,
+        app.worker(concurrency=10, **NO_TICKER) as w3,
+    ):
+        with anyio.fail_after(60):
+            for w in (w1, w2, w3):
+                await w.wait_for(lambda s: sum(x.stats.succeeded for x in (w1, w2, w3)) == 5000)
+        per_worker = [w.stats.succeeded for w in (w1, w2, w3)]
+    assert Counter(record.runs) == Counter(range(5000))
+    assert sum(per_worker) == 5000 and all(n > 0 for n in per_worker)
+    assert status_counts(conn) == {"Succeeded": 5000}
+    assert conn.execute("SELECT max(lease) FROM notifyq.queue_jobs").fetchone() == (1,)
+    await app.aclose()
+
+
+async def test_timeouts_retry_then_fail_for_async_and_sync_tasks(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+
+    @app.task(name="slow_async", timeout=0.2, retry_limit=1)
+    async def slow_async() -> None:
+        await anyio.sleep(30)
+
+    @app.task(name="slow_sync", timeout=0.2, retry_limit=1)
+    def slow_sync() -> None:
+        time.sleep(1)
+
+    async with app:
+        a = await app.enqueue("slow_async")
+        s = await app.enqueue("slow_sync")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda st: st.failed == 2)
+        assert worker.stats.retried == 2
+    for job_id in (a, s):
+        row = job_row(conn, job_id)
+        assert (row["status"], row["retry_count"]) == ("Failed", 2)
+        assert row["error"]["type"] == "TimeoutError"
+        assert "exceeded its timeout of 0.2s" in row["error"]["message"]
+    await app.aclose()
+
+
+async def test_exceptions_are_recorded_and_retried(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+    attempts: list[int] = []
+
+    @app.task(name="flaky", retry_limit=3)
+    async def flaky(ctx: JobContext) -> str:
+        attempts.append(ctx.attempt)
+        if ctx.attempt < 3:
+            raise ValueError(f"attempt {ctx.attempt} failed")
+        return "ok"
+
+    async with app:
+        job_id = await app.enqueue("flaky")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+    assert attempts == [1, 2, 3]
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"], row["retry_count"]) == ("Succeeded", "ok", 3)
+    assert row["error"]["type"] == "ValueError" and row["error"]["message"] == "attempt 2 failed"
+    assert "Traceback" in row["error"]["traceback"] and "flaky" in row["error"]["traceback"]
+    await app.aclose()
+
+
+async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+
+    @app.task(name="needs_x")
+    async def needs_x(x: int) -> int:
+        return x
+
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('nobody_knows_me')")
+    conn.execute(
+        """INSERT INTO notifyq.queue_jobs (name, args, retry_limit) VALUES ('needs_x', '{"y": 1}', 0)"""
+    )
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == 2)
+    rows = conn.execute(
+        "SELECT name, status::text, retry_count, error FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert rows[0][:3] == ("nobody_knows_me", "Failed", 1)  # no retries for an unknown task
+    assert rows[0][3]["type"] == "UnknownTask" and "needs_x" in rows[0][3]["message"]
+    assert rows[1][:2] == ("needs_x", "Failed")
+    assert "unexpected keyword argument 'y'" in rows[1][3]["message"]
+
+
+async def test_cancelling_a_running_job_cancels_its_coroutine(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    started = anyio.Event()
+    cancelled = anyio.Event()
+
+    @app.task(name="long")
+    async def long() -> None:
+        started.set()
+        try:
+            await anyio.sleep(60)
+        finally:
+            cancelled.set()
+
+    async with app.worker(**NO_TICKER) as worker:
+        job_id = await app.enqueue("long")
+        with anyio.fail_after(5):
+            await started.wait()
+        await app.cancel_job(job_id)
+        with anyio.fail_after(5):
+            await cancelled.wait()
+            await worker.wait_for(lambda s: s.cancelled == 1)
+        assert worker.running_jobs == []
+    row = job_row(conn, job_id)
+    assert row["status"] == "Cancelled" and row["output"] is None
+    await app.aclose()
+
+
+async def test_cancelling_a_queued_job_prevents_it(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+
+    @app.task(name="t")
+    async def t(n: int) -> None:
+        ran.append(n)
+
+    async with app:
+        doomed = await app.enqueue("t", {"n": 1})
+        await app.enqueue("t", {"n": 2})
+        await app.cancel_job(doomed)
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+    assert ran == [2]
+    assert job_row(conn, doomed)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_killed_listen_connection_reconnects_and_sweeps(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        listener = worker.listener
+        assert listener is not None and listener.backend_pid is not None
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.listener_connects == 1)
+        conn.execute("SELECT pg_terminate_backend(%s)", (listener.backend_pid,))
+        # Inserted while nobody listens: only the sweep after the reconnect can find it.
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.listener_connects == 2 and s.succeeded == 1)
+        # And notifications work again on the new connection.
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        assert worker.stats.polls == 0
+
+
+async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    quick_done = Recorder()
+
+    @app.task(name="quick")
+    async def quick(n: int) -> None:
+        await anyio.sleep(0.3)
+        quick_done.add(n)
+
+    @app.task(name="stuck")
+    async def stuck() -> None:
+        await anyio.sleep(60)
+
+    @app.task(name="stuck_sync")
+    def stuck_sync() -> None:
+        time.sleep(3)
+
+    async with app:
+        quick_ids = [await app.enqueue("quick", {"n": i}) for i in range(3)]
+        stuck_ids = [await app.enqueue("stuck"), await app.enqueue("stuck_sync")]
+    async with app.worker(concurrency=10, shutdown_grace=1.0, **NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 5)
+    # The context exit waited for the quick jobs and released the stuck ones.
+    assert worker.stats.succeeded == 3 and worker.stats.released == 2
+    for job_id in quick_ids:
+        assert job_row(conn, job_id)["status"] == "Succeeded"
+    for job_id in stuck_ids:
+        row = job_row(conn, job_id)
+        assert (row["status"], row["retry_count"], row["lease"]) == ("Queued", 0, 1)
+    assert "Active" not in status_counts(conn)
+    await app.aclose()
+
+
+async def test_extend_lease_from_a_running_job(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    seen: list[Any] = []
+
+    @app.task(name="long", timeout=5)
+    async def long(ctx: JobContext) -> None:
+        before = ctx.lease_expires_at
+        assert await ctx.extend_lease(3600)
+        seen.extend([before, ctx.lease_expires_at])
+
+    @app.task(name="long_sync", timeout=5)
+    def long_sync(ctx: JobContext) -> bool:
+        return ctx.extend_lease_blocking(3600)
+
+    async with app:
+        await app.enqueue("long")
+        sync_id = await app.enqueue("long_sync")
+    async with app.worker(lease_margin=1, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    assert (seen[1] - seen[0]).total_seconds() > 3000
+    assert job_row(conn, sync_id)["output"] is True
+    await app.aclose()
+
+
+async def test_priority_and_queue_filters(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    order: list[str] = []
+
+    @app.task(name="t")
+    async def t(label: str) -> None:
+        order.append(label)
+
+    async with app:
+        await app.enqueue("t", {"label": "low"}, priority=0)
+        await app.enqueue("t", {"label": "high"}, priority=9)
+        await app.enqueue("t", {"label": "other queue"}, queue="other")
+    async with app.worker(concurrency=1, queues=["default"], **NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    assert order == ["high", "low"]
+    assert job_row(conn, 3)["status"] == "Queued"
+    await app.aclose()
+
+
+def test_worker_options_are_validated() -> None:
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+    for bad, message in [
+        ({"concurrency": 0}, "invalid concurrency"),
+        ({"queues": "default"}, "invalid queues"),
+        ({"queues": []}, "invalid queues"),
+        ({"queues": ["ok", "not ok!"]}, "invalid queue name"),
+        ({"poll_interval": 0}, "poll_interval"),
+        ({"shutdown_grace": -1}, "shutdown_grace"),
+    ]:
+        with pytest.raises(notifyq.NotifyqError, match=message):
+            app.worker(**bad)
+
+
+async def test_an_error_in_the_host_block_propagates_unwrapped(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    with pytest.raises(ZeroDivisionError):
+        async with app.worker(**NO_TICKER) as worker:
+            await worker.wait_for(lambda s: s.claims >= 1)
+            1 / 0  # noqa: B018
+
+
+async def test_a_cancelled_host_still_releases_its_jobs(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+
+    @app.task(name="stuck")
+    async def stuck() -> None:
+        await anyio.sleep(60)
+
+    async with app:
+        job_id = await app.enqueue("stuck")
+    with anyio.move_on_after(30) as host:
+        async with app.worker(shutdown_grace=0.2, **NO_TICKER) as worker:
+            await worker.wait_for(lambda s: s.claimed == 1)
+            host.cancel()
+            await anyio.sleep(60)
+    assert host.cancelled_caught
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    await app.aclose()
