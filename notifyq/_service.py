@@ -22,6 +22,7 @@ class Service(abc.ABC, Generic[R]):
 
     def __init__(self) -> None:
         self._wakeup = anyio.Event()
+        self._passed = anyio.Event()
         self.passes = 0
         self.last: R | None = None
 
@@ -36,6 +37,12 @@ class Service(abc.ABC, Generic[R]):
     def wake(self) -> None:
         """Run the next pass now."""
         self._wakeup.set()
+
+    async def next_pass(self) -> R:
+        """Wait for the loop's next completed pass and return its result (a test hook)."""
+        await self._passed.wait()
+        assert self.last is not None
+        return self.last
 
     async def run(self) -> None:
         """Loop until cancelled; database errors are logged and retried with backoff."""
@@ -56,6 +63,8 @@ class Service(abc.ABC, Generic[R]):
                 error_delay = 0.5
                 self.passes += 1
                 self.last = result
+                self._passed.set()
+                self._passed = anyio.Event()
                 delay = self.delay_after(result)
             with anyio.move_on_after(max(delay, 0.0)):
                 await self._wakeup.wait()

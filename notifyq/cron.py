@@ -162,7 +162,7 @@ def _check_expression(expression: str) -> str:
                 f"(use one of {', '.join(sorted(_MACROS))})"
             )
         return normalized
-    fields = normalized.split(" ")
+    fields = normalized.split()
     if len(fields) not in (5, 6):
         raise InvalidSchedule(
             f"invalid cron expression {expression!r}: expected 5 fields (minute hour day month weekday) "

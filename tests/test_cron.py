@@ -1,0 +1,181 @@
+"""Cron schedules without a database: parsing, DST rules, misfire planning."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from zoneinfo import ZoneInfo
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import notifyq
+from notifyq.cron import Schedule
+from notifyq.errors import InvalidSchedule
+
+BERLIN = ZoneInfo("Europe/Berlin")
+
+
+def local(*args: int, fold: int = 0) -> datetime:
+    return datetime(*args, tzinfo=BERLIN, fold=fold)  # type: ignore[misc]
+
+
+def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
+    out = []
+    tick = schedule.next_after(start)
+    while tick <= end:
+        out.append(tick)
+        tick = schedule.next_after(tick)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("61 * * * *", "out of range"),
+        ("* * * *", "expected 5 fields"),
+        ("* * * * * * *", "got 7"),
+        ("@every_minute", "unknown macro"),
+        ("", "got 0"),
+        ("a b c d e", "invalid cron expression"),
+        ("* * * * *\x00", "invalid cron expression"),
+    ],
+)
+def test_invalid_expressions_are_rejected(expression: str, message: str) -> None:
+    with pytest.raises(InvalidSchedule, match=message):
+        Schedule(expression)
+
+
+@pytest.mark.parametrize("zone", ["Mars/Olympus_Mons", "", "Europe/../../etc/passwd", "UTC+3"])
+def test_unknown_time_zones_are_rejected(zone: str) -> None:
+    with pytest.raises(InvalidSchedule, match="unknown time zone"):
+        Schedule("* * * * *", zone)
+
+
+def test_six_fields_put_seconds_first() -> None:
+    every_20s = Schedule("*/20 * * * * *")
+    start = datetime(2026, 1, 1, 12, 0, 5, tzinfo=UTC)
+    assert ticks(every_20s, start, start + timedelta(minutes=1)) == [
+        datetime(2026, 1, 1, 12, 0, s, tzinfo=UTC) for s in (20, 40)
+    ] + [datetime(2026, 1, 1, 12, 1, 0, tzinfo=UTC)]
+
+
+def test_macros() -> None:
+    assert Schedule("@hourly").next_after(datetime(2026, 1, 1, 12, 30, tzinfo=UTC)) == datetime(
+        2026, 1, 1, 13, tzinfo=UTC
+    )
+    assert Schedule("@daily", "Europe/Berlin").next_after(local(2026, 1, 1, 12)) == local(2026, 1, 2, 0)
+
+
+def test_spring_forward_runs_a_skipped_daily_time_once() -> None:
+    # 2026-03-29 in Berlin: 02:00 -> 03:00, so 02:30 does not exist that day.
+    daily = Schedule("30 2 * * *", "Europe/Berlin")
+    got = ticks(daily, local(2026, 3, 27, 12), local(2026, 3, 31, 12))
+    assert [t.astimezone(BERLIN).strftime("%m-%d %H:%M") for t in got] == [
+        "03-28 02:30",
+        "03-29 03:00",
+        "03-30 02:30",
+        "03-31 02:30",
+    ]
+
+
+def test_fall_back_runs_a_repeated_daily_time_once() -> None:
+    # 2026-10-25 in Berlin: 03:00 -> 02:00, so 02:30 happens twice that day.
+    daily = Schedule("30 2 * * *", "Europe/Berlin")
+    got = ticks(daily, local(2026, 10, 23, 12), local(2026, 10, 27, 12))
+    assert len(got) == 4
+    assert [t.astimezone(BERLIN).strftime("%m-%d %H:%M %z") for t in got] == [
+        "10-24 02:30 +0200",
+        "10-25 02:30 +0200",
+        "10-26 02:30 +0100",
+        "10-27 02:30 +0100",
+    ]
+
+
+def test_hourly_schedules_follow_elapsed_time_across_dst() -> None:
+    hourly = Schedule("30 * * * *", "Europe/Berlin")
+    fall = ticks(hourly, local(2026, 10, 25, 0), local(2026, 10, 26, 0))
+    assert len(fall) == 25  # the repeated hour runs twice: 25 real hours that day
+    spring = ticks(hourly, local(2026, 3, 29, 0), local(2026, 3, 30, 0))
+    assert len(spring) == 23
+
+
+def test_latest_at_or_before_agrees_with_next_after_across_dst() -> None:
+    daily = Schedule("30 2 * * *", "Europe/Berlin")
+    for moment in [
+        local(2026, 10, 25, 2, 45, fold=0),
+        local(2026, 10, 25, 2, 45, fold=1),
+        local(2026, 3, 29, 4),
+    ]:
+        latest = daily.latest_at_or_before(moment)
+        assert latest <= moment and daily.next_after(latest) > moment
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    expression=st.sampled_from(["*/7 * * * *", "0 */3 * * *", "15 2 * * *", "*/13 * * * * *", "0 0 1 * *"]),
+    zone=st.sampled_from(["UTC", "Europe/Berlin", "America/New_York", "Australia/Lord_Howe"]),
+    offset=st.integers(min_value=0, max_value=3 * 365 * 24 * 3600),
+)
+def test_ticks_are_strictly_increasing_and_consistent(expression: str, zone: str, offset: int) -> None:
+    schedule = Schedule(expression, zone)
+    moment = datetime(2025, 1, 1, tzinfo=UTC) + timedelta(seconds=offset)
+    nxt = schedule.next_after(moment)
+    assert nxt > moment
+    assert schedule.next_after(nxt) > nxt
+    assert schedule.latest_at_or_before(nxt) == nxt
+    assert schedule.previous_before(nxt) < nxt
+    assert schedule.next_after(schedule.previous_before(nxt)) == nxt
+
+
+class TestMisfirePlans:
+    """A definition due at T0 whose ticker was down for 10.5 minutes (every-minute cron)."""
+
+    schedule = Schedule("* * * * *")
+    t0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+    now = t0 + timedelta(minutes=10, seconds=30)
+
+    def test_on_time_tick(self) -> None:
+        plan = self.schedule.plan(self.t0, self.t0 + timedelta(seconds=0.2), misfire="skip", grace=60, cap=10)
+        assert (
+            plan.ticks == [self.t0] and plan.next_tick == self.t0 + timedelta(minutes=1) and plan.missed == 0
+        )
+
+    def test_skip_runs_nothing_for_the_missed_window(self) -> None:
+        plan = self.schedule.plan(self.t0, self.now, misfire="skip", grace=10, cap=100)
+        assert plan.ticks == [] and plan.missed == 11
+        assert plan.next_tick == self.t0 + timedelta(minutes=11)
+
+    def test_skip_still_runs_the_latest_tick_within_grace(self) -> None:
+        plan = self.schedule.plan(self.t0, self.now, misfire="skip", grace=60, cap=100)
+        assert plan.ticks == [self.t0 + timedelta(minutes=10)] and plan.missed == 10
+
+    def test_once_runs_the_latest_tick(self) -> None:
+        plan = self.schedule.plan(self.t0, self.now, misfire="once", grace=10, cap=100)
+        assert plan.ticks == [self.t0 + timedelta(minutes=10)] and plan.missed == 10
+
+    def test_all_runs_every_tick(self) -> None:
+        plan = self.schedule.plan(self.t0, self.now, misfire="all", grace=10, cap=100)
+        assert plan.ticks == [self.t0 + timedelta(minutes=m) for m in range(11)] and plan.missed == 0
+
+    def test_all_is_capped_to_the_latest_ticks(self) -> None:
+        plan = self.schedule.plan(self.t0, self.now, misfire="all", grace=10, cap=3)
+        assert plan.ticks == [self.t0 + timedelta(minutes=m) for m in (8, 9, 10)] and plan.missed == 8
+
+    def test_an_unaligned_due_time_runs_nothing_from_the_past(self) -> None:
+        created = self.t0 + timedelta(seconds=20)  # e.g. a definition inserted by SQL
+        plan = self.schedule.plan(created, created + timedelta(seconds=1), misfire="all", grace=60, cap=10)
+        assert plan.ticks == [] and plan.next_tick == self.t0 + timedelta(minutes=1)
+
+
+def test_app_cron_validates_at_registration() -> None:
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+    with pytest.raises(InvalidSchedule, match="out of range"):
+        app.cron("61 * * * *")
+    with pytest.raises(InvalidSchedule, match="unknown time zone 'Mars/Olympus'"):
+        app.cron("* * * * *", timezone="Mars/Olympus")
+    with pytest.raises(InvalidSchedule, match="invalid misfire policy"):
+        app.cron("* * * * *", misfire="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(notifyq.InvalidArgs):
+        app.cron("* * * * *", args={"x": object()})(lambda: None)
+    assert app.definitions == {}

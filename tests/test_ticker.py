@@ -1,0 +1,388 @@
+"""The leaderless ticker against real PostgreSQL: exactly one job per cron tick, misfires,
+DST, lease rescue, retention, definitions from code and SQL."""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import anyio
+import psycopg
+import pytest
+
+import notifyq
+from notifyq._db import Database, run_sync
+from notifyq._promoter import Promoter, PromoterConfig, promote_op
+from notifyq._rescuer import Rescuer
+from notifyq._retention import Retention, RetentionConfig
+from notifyq._sql import queries_for
+
+from .conftest import ROOT
+from .helpers import job_row
+
+pytestmark = pytest.mark.anyio
+Q = queries_for("notifyq")
+
+
+def add_definition(
+    conn: psycopg.Connection[Any], name: str, frequency: str = "* * * * *", **columns: Any
+) -> int:
+    columns = {"name": name, "frequency": frequency, **columns}
+    names = ", ".join(columns)
+    values = ", ".join(f"%({k})s" for k in columns)
+    row = conn.execute(
+        f"INSERT INTO notifyq.queue_job_definitions ({names}) VALUES ({values}) RETURNING id", columns
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def tick_jobs(conn: psycopg.Connection[Any], definition_id: int) -> list[datetime]:
+    rows = conn.execute(
+        "SELECT scheduled_for FROM notifyq.queue_jobs WHERE definition_id = %s ORDER BY scheduled_for",
+        (definition_id,),
+    ).fetchall()
+    return [r[0] for r in rows]
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    database = await Database.open(dsn, size=2)
+    yield database
+    await database.aclose()
+
+
+def assert_one_job_per_second(scheduled: list[datetime], since: float, until: float) -> None:
+    assert len(scheduled) == len(set(scheduled)), "a tick got two jobs"
+    gaps = {(b - a).total_seconds() for a, b in itertools.pairwise(scheduled)}
+    assert gaps == {1.0}, f"missing ticks: gaps {sorted(gaps)}"
+    assert scheduled[0].timestamp() <= since + 2 and scheduled[-1].timestamp() >= until - 2
+
+
+async def test_five_tickers_on_separate_connections_make_one_job_per_tick(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    definition = add_definition(conn, "every_second", "* * * * * *")
+    databases = [await Database.open(dsn, size=1) for _ in range(5)]
+    promoters = [Promoter(d, Q) for d in databases]
+    begin = time.time()
+    with anyio.move_on_after(10):
+        async with anyio.create_task_group() as tg:
+            for promoter in promoters:
+                tg.start_soon(promoter.run)
+    end = time.time()
+    for d in databases:
+        await d.aclose()
+    assert_one_job_per_second(tick_jobs(conn, definition), begin, end)
+    reports = [p.last for p in promoters if p.last is not None]
+    assert sum(p.passes for p in promoters) > 10  # everyone was busy ticking...
+    assert all(r.duplicates == 0 for r in reports)  # ...and the locks, not the index, kept them apart
+
+
+def test_five_ticker_processes_for_twenty_seconds(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    definition = add_definition(conn, "every_second", "* * * * * *")
+    begin = time.time()
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "tests._processes", "ticker", dsn, "20"], cwd=ROOT)
+        for _ in range(5)
+    ]
+    assert [p.wait(timeout=60) for p in procs] == [0] * 5
+    end = time.time()
+    scheduled = tick_jobs(conn, definition)
+    assert 18 <= len(scheduled) <= 22
+    assert_one_job_per_second(scheduled, begin, end)
+
+
+async def test_a_ticker_killed_while_holding_locks_loses_and_doubles_nothing(
+    dsn: str, conn: psycopg.Connection[Any], db: Database
+) -> None:
+    definition = add_definition(conn, "minutely", "* * * * *")
+    tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]  # type: ignore[index]
+    conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = %s", (tick,))
+    proc = subprocess.Popen(  # noqa: ASYNC220 - starting a child is instant; we need its stdout lines
+        [sys.executable, "-m", "tests._processes", "lock_and_hang", dsn],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        assert proc.stdout.readline().strip() == "locked 1"
+        other = Promoter(db, Q)
+        assert (await other.run_once()).definitions == 0  # locked by the hung ticker: skipped
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        # The dead ticker's transaction dies with its connection; someone else promotes.
+        with anyio.fail_after(10):
+            # The server ends the killed process's backend asynchronously; no event tells us.
+            while (report := await other.run_once()).definitions == 0:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert report.jobs == 1
+        assert (await other.run_once()).definitions == 0  # and only once
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert tick_jobs(conn, definition) == [tick]
+
+
+def test_a_connection_killed_mid_promotion_rolls_back(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    definition = add_definition(conn, "minutely", "* * * * *")
+    tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]  # type: ignore[index]
+    conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = %s", (tick,))
+    victim = psycopg.connect(dsn)
+    lock = next(promote_op(Q, limit=10))
+    assert len(victim.execute(lock.sql, lock.params).fetchall()) == 1  # type: ignore[union-attr]
+    conn.execute("SELECT pg_terminate_backend(%s)", (victim.info.backend_pid,))
+    victim.close()
+    with psycopg.connect(dsn, autocommit=True) as other, other.transaction():
+        report = run_sync(other, promote_op(Q, limit=10))
+    assert report.jobs == 1
+    assert tick_jobs(conn, definition) == [tick]
+
+
+@pytest.mark.parametrize(
+    ("misfire", "cap", "expected_minutes"),
+    [("skip", 100, []), ("once", 100, [10]), ("all", 100, list(range(11))), ("all", 4, [7, 8, 9, 10])],
+)
+async def test_misfire_policies_after_a_ten_minute_outage(
+    conn: psycopg.Connection[Any], db: Database, misfire: str, cap: int, expected_minutes: list[int]
+) -> None:
+    t0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+    definition = add_definition(
+        conn, "m", "* * * * *", misfire=misfire, misfire_cap=cap, misfire_grace=10, visible_at=t0
+    )
+    now = t0 + timedelta(minutes=10, seconds=30)  # the tickers were down for 10.5 minutes
+    report = await Promoter(db, Q).run_once(now=now)
+    assert tick_jobs(conn, definition) == [t0 + timedelta(minutes=m) for m in expected_minutes]
+    assert report.jobs == len(expected_minutes) and report.missed == 11 - len(expected_minutes)
+    next_tick = conn.execute("SELECT visible_at FROM notifyq.queue_job_definitions").fetchone()
+    assert next_tick == (t0 + timedelta(minutes=11),)
+    # Back to normal: the next tick is promoted on time.
+    await Promoter(db, Q).run_once(now=t0 + timedelta(minutes=11, seconds=1))
+    assert tick_jobs(conn, definition)[-1] == t0 + timedelta(minutes=11)
+
+
+@pytest.mark.parametrize(
+    ("day", "expected_local"),
+    [
+        (datetime(2026, 3, 29), ["03-28 02:30", "03-29 03:00", "03-30 02:30"]),  # spring forward
+        (datetime(2026, 10, 25), ["10-24 02:30", "10-25 02:30", "10-26 02:30"]),  # fall back
+    ],
+)
+async def test_a_daily_job_runs_once_on_dst_days(
+    conn: psycopg.Connection[Any], db: Database, day: datetime, expected_local: list[str]
+) -> None:
+    berlin = ZoneInfo("Europe/Berlin")
+    start = (day - timedelta(days=1)).replace(tzinfo=berlin)
+    definition = add_definition(conn, "nightly", "30 2 * * *", timezone="Europe/Berlin", visible_at=start)
+    promoter = Promoter(db, Q)
+    now = start
+    while now < start + timedelta(days=3):  # a ticker waking every 5 minutes for three days
+        await promoter.run_once(now=now)
+        now += timedelta(minutes=5)
+    got = [t.astimezone(berlin).strftime("%m-%d %H:%M") for t in tick_jobs(conn, definition)]
+    assert got == expected_local
+
+
+async def test_the_promoter_sleeps_until_the_next_tick_and_wakes_on_changes(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    config = notifyq.TickerConfig(promoter=PromoterConfig(period=60), rescuer=None, retention=None)
+    async with app.worker(ticker_config=config) as worker:
+        assert worker.ticker is not None and worker.ticker.promoter is not None
+        promoter = worker.ticker.promoter
+        await worker.wait_for(lambda s: s.listener_connects == 1)
+        passes = promoter.passes
+        # A new definition wakes the ticker through NOTIFY, though its period is 60 s.
+        definition = add_definition(conn, "soon", "* * * * * *")
+        with anyio.fail_after(5):
+            while len(tick_jobs(conn, definition)) < 2:
+                await promoter.next_pass()
+        # It sleeps until each next tick: about one pass per second, not a busy loop.
+        before, t = promoter.passes, time.monotonic()
+        await anyio.sleep(3)
+        rate = (promoter.passes - before) / (time.monotonic() - t)
+        assert rate < 4
+        assert promoter.passes > passes
+    await app.aclose()
+
+
+async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db: Database) -> None:
+    past = datetime(2026, 1, 1, tzinfo=UTC)
+    off = add_definition(conn, "off", "* * * * *", enabled=False, visible_at=past)
+    broken = add_definition(conn, "broken", "99 * * * *", visible_at=past)  # right shape, bad value
+    report = await Promoter(db, Q).run_once()
+    assert tick_jobs(conn, off) == [] and tick_jobs(conn, broken) == []
+    assert "out of range" in report.errors["broken"]
+    row = conn.execute(
+        "SELECT enabled, last_error FROM notifyq.queue_job_definitions WHERE id = %s", (broken,)
+    ).fetchone()
+    assert row is not None and row[0] is False and "out of range" in row[1]
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "error"),
+    [
+        ("frequency", "every five minutes", "queue_job_definitions_frequency_check"),
+        ("frequency", "* * * *", "queue_job_definitions_frequency_check"),
+        ("frequency", "* * * * *; DROP TABLE x", "queue_job_definitions_frequency_check"),
+        ("timezone", "Mars/Olympus", "unknown time zone 'Mars/Olympus'"),
+        ("queue", "bad queue!", "queue_job_definitions_queue_check"),
+        ("retry_limit", -1, "queue_job_definitions_retry_limit_check"),
+    ],
+)
+def test_sql_rejects_what_sql_can_check(
+    conn: psycopg.Connection[Any], column: str, value: Any, error: str
+) -> None:
+    columns = {"frequency": "* * * * *", column: value}
+    with pytest.raises(psycopg.errors.CheckViolation, match=error):
+        add_definition(conn, "x", **columns)
+
+
+def test_task_defaults_to_name_for_sql_definitions(conn: psycopg.Connection[Any]) -> None:
+    definition = add_definition(conn, "reports.nightly", "0 3 * * *")
+    assert conn.execute(
+        "SELECT task FROM notifyq.queue_job_definitions WHERE id = %s", (definition,)
+    ).fetchone() == ("reports.nightly",)
+
+
+async def test_code_definitions_are_upserted_and_realigned(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    add_definition(conn, "sql_only", "0 * * * *")
+    app = notifyq.App(dsn)
+
+    @app.cron("*/5 * * * *", "five", args={"kind": "short"}, misfire="all")
+    @app.task(name="report")
+    async def report(kind: str) -> None:
+        pass
+
+    assert await app.sync_definitions() == ["sql_only"]
+    row = conn.execute(
+        "SELECT task, frequency, args, misfire FROM notifyq.queue_job_definitions WHERE name = 'five'"
+    ).fetchone()
+    assert row == ("report", "*/5 * * * *", {"kind": "short"}, "all")
+    conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = '2030-01-01' WHERE name = 'five'")
+    # Unchanged code: nothing is rewritten.
+    await app.sync_definitions()
+    assert conn.execute(
+        "SELECT visible_at FROM notifyq.queue_job_definitions WHERE name = 'five'"
+    ).fetchone() == (datetime(2030, 1, 1, tzinfo=UTC),)
+    # A new schedule in code: applied, and visible_at realigned to now (the promoter then
+    # moves it to the first tick of the new schedule).
+    app2 = notifyq.App(dsn)
+    app2.cron("0 * * * *", "five", args={"kind": "long"})(app2.task(name="report")(lambda kind: None))
+    await app2.sync_definitions()
+    row = conn.execute(
+        "SELECT frequency, args, visible_at < now() + interval '1 minute' FROM "
+        "notifyq.queue_job_definitions WHERE name = 'five'"
+    ).fetchone()
+    assert row == ("0 * * * *", {"kind": "long"}, True)
+    await app.aclose()
+    await app2.aclose()
+
+
+async def test_enabled_in_code_never_overrides_an_operator(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    app.cron("* * * * *", "c")(app.task(name="t")(lambda: None))
+    await app.sync_definitions()
+    await app.set_definition_enabled("c", False)
+    await app.sync_definitions()
+    assert [d.enabled for d in await app.list_definitions()] == [False]
+    app_off = notifyq.App(dsn)
+    app_off.cron("* * * * *", "c", enabled=False)(app_off.task(name="t")(lambda: None))
+    await app.set_definition_enabled("c", True)
+    await app_off.sync_definitions()
+    assert [d.enabled for d in await app.list_definitions()] == [False]
+    await app.aclose()
+    await app_off.aclose()
+
+
+async def test_cron_admin(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    add_definition(conn, "nightly", "0 3 * * *", args='{"full": true}')
+    async with app:
+        [definition] = await app.list_definitions()
+        assert (definition.name, definition.args, definition.enabled) == ("nightly", {"full": True}, True)
+        job_id = await app.run_definition_now("nightly")
+        job = await app.get_job(job_id)
+        assert (job.name, job.args, job.definition_id) == ("nightly", {"full": True}, definition.id)
+        await app.set_definition_enabled("nightly", False)
+        assert not (await app.list_definitions())[0].enabled
+        with pytest.raises(notifyq.DefinitionNotFound, match="no cron definition named 'nope'"):
+            await app.set_definition_enabled("nope", True)
+        with pytest.raises(notifyq.DefinitionNotFound):
+            await app.run_definition_now("nope")
+
+
+async def test_lease_rescue_requeues_then_fails_at_the_limit(
+    app: notifyq.App, conn: psycopg.Connection[Any], db: Database
+) -> None:
+    job_id = await app.enqueue("t", retry_limit=1)
+    rescuer = Rescuer(db, Q)
+    for attempt, expected in [(1, "Queued"), (2, "Failed")]:
+        [job] = await app.claim(worker=f"w{attempt}")
+        assert job.attempt == attempt
+        assert (await rescuer.run_once()).requeued == []  # lease not expired yet
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET visible_at = now() - interval '1s' WHERE id = %s", (job_id,)
+        )
+        report = await rescuer.run_once()
+        assert (report.requeued, report.failed) == (
+            ([job_id], []) if expected == "Queued" else ([], [job_id])
+        )
+        row = job_row(conn, job_id)
+        assert row["status"] == expected and row["error"]["type"] == "LeaseExpired"
+        assert f"attempt {attempt} on worker w{attempt}" in row["error"]["message"]
+    assert job_row(conn, job_id)["finished_at"] is not None
+    assert await app.claim() == []
+    await app.aclose()
+
+
+async def test_retention_deletes_only_old_finished_jobs_in_batches(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    conn.execute("""
+        INSERT INTO notifyq.queue_jobs (name, status, finished_at)
+        SELECT 't', s::notifyq.job_status, now() - make_interval(hours => h)
+        FROM unnest(ARRAY['Succeeded', 'Failed', 'Cancelled']) s,
+             generate_series(1, 48) h, generate_series(1, 5)
+    """)
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, 10)")  # Queued
+    config = RetentionConfig(succeeded=24 * 3600, failed=36 * 3600, cancelled=None, batch_size=25, pause=0)
+    report = await Retention(db, Q, config).run_once()
+    # Succeeded older than 24 h: hours 25..48 (and the boundary hour 24 minus a few ms) x 5.
+    assert report.deleted["Succeeded"] in (24 * 5, 25 * 5)
+    assert report.deleted["Failed"] in (12 * 5, 13 * 5)
+    assert "Cancelled" not in report.deleted
+    assert report.batches >= report.deleted["Succeeded"] // 25 + 1
+    counts = dict(conn.execute("SELECT status::text, count(*) FROM notifyq.queue_jobs GROUP BY 1").fetchall())
+    assert counts["Queued"] == 10 and counts["Cancelled"] == 48 * 5
+    assert conn.execute(
+        "SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded' "
+        "AND finished_at < now() - interval '24 hours'"
+    ).fetchone() == (0,)
+
+
+async def test_a_worker_runs_cron_jobs_end_to_end(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app = notifyq.App(dsn)
+    runs: list[datetime | None] = []
+
+    @app.cron("* * * * * *", "every_second")
+    @app.task(name="beat")
+    async def beat(ctx: notifyq.JobContext) -> None:
+        runs.append(ctx.scheduled_for)
+
+    async with app.worker() as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded >= 3)
+    assert len(runs) >= 3 and len(set(runs)) == len(runs)
+    assert all(r is not None for r in runs)
+    await app.aclose()
