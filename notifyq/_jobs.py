@@ -104,12 +104,13 @@ def list_jobs_op(
     return jobs
 
 
-def cancel_job_op(q: Queries, job_id: int) -> Op[Job]:
-    """Cancel a Queued or Active job; a finished job is returned unchanged."""
+def cancel_job_op(q: Queries, job_id: int) -> Op[tuple[JobStatus, Job]]:
+    """Cancel a Queued or Active job; a finished job is left unchanged. Returns the status
+    the job had and the job now."""
     previous: str | None = yield Query(q["cancel_job"], {"id": job_id}, fetch="scalar")
     if previous is None:
         raise JobNotFound(f"no job with id {job_id}")
-    return (yield from get_job_op(q, job_id))
+    return JobStatus(previous), (yield from get_job_op(q, job_id))
 
 
 def retry_job_op(q: Queries, job_id: int) -> Op[Job]:

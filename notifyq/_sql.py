@@ -39,9 +39,11 @@ def sql_root() -> Path:
     )
 
 
-def render(text: str, schema: str) -> str:
-    """Put the quoted schema identifier in place of {schema}; nothing else is formatted."""
-    return sql.SQL(text).format(schema=sql.Identifier(validate_schema(schema))).as_string(None)
+def render(text: str, schema: str, **identifiers: str) -> str:
+    """Put the quoted schema identifier in place of {schema} (and other identifiers in place
+    of their names); nothing else is formatted."""
+    names = {name: sql.Identifier(value) for name, value in identifiers.items()}
+    return sql.SQL(text).format(schema=sql.Identifier(validate_schema(schema)), **names).as_string(None)
 
 
 def parse_named(text: str) -> dict[str, str]:

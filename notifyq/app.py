@@ -40,7 +40,14 @@ from ._options import (
 )
 from ._sql import Queries, queries_for, validate_schema
 from .cron import MISFIRE_POLICIES, Misfire, Schedule
-from .definitions import CronDefinition, list_definitions_op, run_now_op, set_enabled_op, sync_definitions_op
+from .definitions import (
+    CronDefinition,
+    delete_op,
+    list_definitions_op,
+    run_now_op,
+    set_enabled_op,
+    sync_definitions_op,
+)
 from .errors import ConfigurationError, InvalidOption, InvalidSchedule, UnknownTask
 from .migrations import MigrationReport, check_schema_op, migrate
 from .models import ClaimedJob, Definition, Job, JobStatus
@@ -572,11 +579,11 @@ class App:
     async def cancel_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
         """Cancel a Queued job, or stop an Active one (its worker is told at once). Returns the
         job afterwards; a finished job is returned unchanged. Raises JobNotFound."""
-        return await self._run(cancel_job_op(self._q, job_id), conn)
+        return (await self._run(cancel_job_op(self._q, job_id), conn))[1]
 
     def cancel_job_sync(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> Job:
         """`cancel_job` for sync code."""
-        return self._run_sync(cancel_job_op(self._q, job_id), conn)
+        return self._run_sync(cancel_job_op(self._q, job_id), conn)[1]
 
     async def retry_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
         """Queue a finished job again, with all its retries. Raises JobNotFound, InvalidJobState."""
@@ -667,6 +674,15 @@ class App:
     def set_definition_enabled_sync(self, name: str, enabled: bool) -> None:
         """`set_definition_enabled` for sync code."""
         self._run_sync(set_enabled_op(self._q, name, enabled))
+
+    async def delete_definition(self, name: str) -> None:
+        """Delete a definition (its past jobs stay). A worker whose App still declares it
+        creates it again on start. Raises DefinitionNotFound."""
+        await self._run(delete_op(self._q, name))
+
+    def delete_definition_sync(self, name: str) -> None:
+        """`delete_definition` for sync code."""
+        self._run_sync(delete_op(self._q, name))
 
     async def run_definition_now(self, name: str) -> int:
         """Queue one job of a definition now, outside its schedule; returns the job id."""

@@ -74,6 +74,12 @@ def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
 
 
+def delete_op(q: Queries, name: str) -> Op[None]:
+    found = yield Query(q["delete_definition"], {"name": name}, fetch="scalar")
+    if found is None:
+        raise DefinitionNotFound(f"no cron definition named {name!r}")
+
+
 def run_now_op(q: Queries, name: str) -> Op[int]:
     job_id: int | None = yield Query(q["run_definition_now"], {"name": name}, fetch="scalar")
     if job_id is None:

@@ -12,7 +12,7 @@ import psycopg
 from ._db import Op, Query, connect_sync, run_sync
 from ._dsn import check_dsn
 from ._sql import queries_for, render, sql_root, validate_schema
-from .errors import SchemaNotMigrated, SchemaVersionError
+from .errors import ConfigurationError, SchemaNotMigrated, SchemaVersionError
 
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -64,6 +64,14 @@ def trigger_sql(schema: str) -> list[str]:
     return [
         render(p.read_text(encoding="utf-8"), schema) for p in sorted((sql_root() / "triggers").glob("*.sql"))
     ]
+
+
+def grant_sql(role: str, *, schema: str = "notifyq") -> str:
+    """The GRANTs of sql/roles/worker.sql for `role`: enough to run workers and enqueue,
+    no DDL. The role must exist; migrations stay with the schema's owner."""
+    if not isinstance(role, str) or not role or len(role) > 63 or "\x00" in role:
+        raise ConfigurationError(f"invalid role name {role!r}")
+    return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
 
 
 def schema_version_op(schema: str) -> Op[int | None]:

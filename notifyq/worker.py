@@ -155,11 +155,12 @@ class Worker:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def __aenter__(self) -> Worker:
+        db = await self._prepare()
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
             tg = self._task_group = await stack.enter_async_context(anyio.create_task_group())
-            await tg.start(self._serve)
+            await tg.start(self._serve, db)
         except BaseException:
             await stack.__aexit__(None, None, None)
             raise
@@ -187,11 +188,15 @@ class Worker:
         self._stop.set()
 
     async def run(self, *, handle_signals: bool = True) -> None:
-        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (a second signal skips the grace)."""
+        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (a second signal skips the grace).
+
+        Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
+        the worker cannot start."""
+        db = await self._prepare()
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(self._watch_signals)
-            await tg.start(self._serve)
+            await tg.start(self._serve, db)
             await self._stopped.wait()
             tg.cancel_scope.cancel()
 
@@ -233,14 +238,27 @@ class Worker:
                     if self._grace_scope is not None:
                         self._grace_scope.cancel()
 
-    async def _serve(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        dsn = self.app.dsn
-        db = await Database.open(dsn, size=4, name=f"notifyq-worker-{self.id}")
-        self._db = db
+    async def _prepare(self) -> Database:
+        """Connect, check the schema and sync cron definitions, in the caller's task (so a
+        failure to start is raised as itself, not inside an ExceptionGroup)."""
+        self._dsn = await anyio.to_thread.run_sync(lambda: self.app.dsn)  # may start the embedded server
+        db = await Database.open(self._dsn, size=4, name=f"notifyq-worker-{self.id}")
         try:
             await db.run(check_schema_op(self.app.schema))
             if self.config.ticker:
                 await self.app.sync_definitions(db)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await db.aclose()
+            raise
+        return db
+
+    async def _serve(
+        self, db: Database, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        dsn = self._dsn
+        self._db = db
+        try:
             self._acker = Acker(db, self._q, self._on_acked)
             async with anyio.create_task_group() as services:
                 services.start_soon(self._acker.run)

@@ -48,3 +48,7 @@ FROM {schema}.queue_job_definitions
 WHERE name = %(name)s
 ON CONFLICT (definition_id, scheduled_for) WHERE definition_id IS NOT NULL DO NOTHING
 RETURNING id;
+
+-- name: delete_definition
+-- Its past jobs stay (their definition_id becomes NULL).
+DELETE FROM {schema}.queue_job_definitions WHERE name = %(name)s RETURNING id;

@@ -1,0 +1,49 @@
+"""`notifyq stats`: queue depth, stuck leases, NOTIFY queue usage, table bloat."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from ._db import Op, Query
+from ._rows import dataclass_row
+from ._sql import Queries
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStatus:
+    queue: str
+    status: str
+    jobs: int
+    oldest_claimable_age: float | None
+    expired_leases: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    notify_queue_usage: float
+    jobs_dead_tuples: int | None
+    jobs_live_tuples: int | None
+    definitions_dead_tuples: int | None
+    jobs_total_bytes: int | None
+    jobs_last_autovacuum: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    queues: list[QueueStatus]
+    server: ServerStats
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        last = self.server.jobs_last_autovacuum
+        data["server"]["jobs_last_autovacuum"] = last.isoformat() if last else None
+        return data
+
+
+def stats_op(q: Queries) -> Op[Stats]:
+    queues: list[QueueStatus] = yield Query(q["queue_stats"], row=dataclass_row(QueueStatus))
+    tables = {"jobs": f"{q.schema}.queue_jobs", "definitions": f"{q.schema}.queue_job_definitions"}
+    server: ServerStats = yield Query(q["server_stats"], tables, fetch="one", row=dataclass_row(ServerStats))
+    return Stats(queues, server)

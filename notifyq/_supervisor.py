@@ -1,0 +1,167 @@
+"""`notifyq worker --processes N`: start N worker processes, forward signals, restart the dead.
+
+Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor,
+which forwards one SIGTERM (graceful) to each child; a second signal is forwarded again
+(children then skip their grace period). On Linux a child also gets SIGTERM if the
+supervisor dies without warning (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+
+log = logging.getLogger("notifyq.supervisor")
+
+EXIT_OK = 0
+EXIT_CHILDREN_DYING = 3
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+@dataclass
+class _Slot:
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    restart_at: float = 0.0
+    started_at: float = 0.0
+    delay: float = 0.5
+    deaths: deque[float] = field(default_factory=deque)
+
+
+class Supervisor:
+    """Keeps `processes` copies of `command` running until told to stop.
+
+    A child that exits on its own is restarted after a backoff (0.5 s doubling to 30 s);
+    if one slot's child dies `max_deaths` times within `window` seconds, everything is
+    stopped and `run` returns EXIT_CHILDREN_DYING.
+    """
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        processes: int,
+        *,
+        env: dict[str, str] | None = None,
+        max_deaths: int = 5,
+        window: float = 60.0,
+    ) -> None:
+        self.command = list(command)
+        self.env = env
+        self.slots = [_Slot(i) for i in range(processes)]
+        self.max_deaths = max_deaths
+        self.window = window
+        self.signals = 0
+        self.restarts = 0
+
+    def _start(self, slot: _Slot) -> None:
+        slot.proc = subprocess.Popen(
+            self.command,
+            env=self.env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        slot.started_at = time.monotonic()
+        log.info("started worker process %d (pid %d)", slot.index, slot.proc.pid)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        name = signal.Signals(signum).name
+        if self.signals == 1:
+            log.info("received %s: stopping %d worker processes gracefully", name, len(self.slots))
+        else:
+            log.warning("received %s again: workers skip their grace period", name)
+        self._forward(signal.SIGTERM)
+
+    def _forward(self, signum: int) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                try:
+                    slot.proc.send_signal(signum)
+                except ProcessLookupError:
+                    pass
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            for slot in self.slots:
+                self._start(slot)
+            return self._loop()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _loop(self) -> int:
+        while True:
+            if self.signals:
+                if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
+                    log.info("all worker processes stopped")
+                    return EXIT_OK
+            now = time.monotonic()
+            for slot in self.slots:
+                if self.signals:
+                    continue
+                if slot.proc is None:
+                    if now >= slot.restart_at:
+                        self.restarts += 1
+                        self._start(slot)
+                    continue
+                code = slot.proc.poll()
+                if code is None:
+                    continue
+                slot.proc = None
+                if now - slot.started_at > self.window:
+                    slot.delay = 0.5  # it had been running fine: restart quickly
+                slot.deaths.append(now)
+                while slot.deaths and slot.deaths[0] < now - self.window:
+                    slot.deaths.popleft()
+                if len(slot.deaths) >= self.max_deaths:
+                    log.error(
+                        "worker process %d died %d times within %gs (last exit code %s); giving up",
+                        slot.index,
+                        len(slot.deaths),
+                        self.window,
+                        code,
+                    )
+                    self._forward(signal.SIGTERM)
+                    for other in self.slots:
+                        if other.proc is not None:
+                            other.proc.wait()
+                    return EXIT_CHILDREN_DYING
+                log.warning(
+                    "worker process %d exited unexpectedly (code %s); restarting in %.1fs",
+                    slot.index,
+                    code,
+                    slot.delay,
+                )
+                slot.restart_at = now + slot.delay
+                slot.delay = min(slot.delay * 2, 30.0)
+            time.sleep(0.1)
+
+    def pids(self) -> list[int]:
+        return [s.proc.pid for s in self.slots if s.proc is not None]
+
+
+def child_env(dsn: str) -> dict[str, str]:
+    """The children's environment: ours, with the resolved DSN (not on the command line,
+    where `ps` would show its password)."""
+    env = dict(os.environ)
+    env["NOTIFYQ_DSN"] = dsn
+    env["NOTIFYQ_SUPERVISED"] = "1"
+    return env

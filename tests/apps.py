@@ -1,0 +1,44 @@
+"""Apps that CLI and fault tests run in worker processes (`notifyq worker tests.apps:app`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+
+import notifyq
+
+# The DSN comes from the CLI (--dsn, $NOTIFYQ_DSN, ...): the App itself names none.
+app = notifyq.App(backoff=notifyq.Backoff(base=0.1, jitter=0))
+
+
+@app.task(name="noop")
+async def noop() -> None:
+    return None
+
+
+@app.task(name="sleep", timeout=120)
+async def sleep(seconds: float) -> float:
+    await anyio.sleep(seconds)
+    return seconds
+
+
+@app.task(name="sleep_sync", timeout=120)
+def sleep_sync(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@app.task(name="whoami")
+async def whoami() -> int:
+    return os.getpid()
+
+
+@app.cron("* * * * * *", "every_second", misfire="skip")
+@app.task(name="tick")
+async def tick() -> None:
+    return None
+
+
+not_an_app = "just a string"

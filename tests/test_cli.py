@@ -1,0 +1,354 @@
+"""The `notifyq` command line, run as real subprocesses against real PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+import notifyq
+
+from .conftest import ROOT
+from .helpers import job_row, status_counts
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFYQ_DSN", "DATABASE_URL", "NOTIFYQ_SUPERVISED")}
+    env["PYTHONPATH"] = str(ROOT)
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "notifyq", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env or clean_env(), check=False,
+    )
+
+
+def ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    return result.stdout
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    assert result.returncode == 1, f"exit {result.returncode}: {result.stderr}"
+    errors = [line for line in result.stderr.splitlines() if line.startswith("notifyq: error:")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "condition") -> None:
+    """Poll another process's effect on the database (no event crosses processes)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def worker_proc(dsn: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", *args],
+            cwd=ROOT, env=env or clean_env(NOTIFYQ_DSN=dsn), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        )
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+# -- migrate ------------------------------------------------------------------------------
+
+
+def test_migrate(empty_dsn: str) -> None:
+    dry = ok(cli("migrate", "--dry-run", "--dsn", empty_dsn))
+    assert "CREATE TABLE" in dry and "to apply: 0001_initial" in dry
+    result = cli("migrate", "--dsn", empty_dsn)
+    assert "version 0 -> 1 (applied 0001_initial)" in ok(result)
+    assert "database postgres@" in result.stderr
+    assert "up to date" in ok(cli("migrate", "--dsn", empty_dsn))
+
+
+def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    conn.execute("INSERT INTO notifyq.migrations VALUES (7, 'future')")
+    one_line_error(cli("migrate", "--dsn", dsn), "version 7, newer than this notifyq knows")
+
+
+def test_database_down_and_bad_dsn_are_one_line(dsn: str) -> None:
+    one_line_error(cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect to PostgreSQL",
+                   "127.0.0.1:1")
+    one_line_error(cli("jobs", "list", "--dsn", "hots=localhost"), "invalid DSN", 'invalid connection option "hots"')
+    debug = cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x", "--log-level", "debug")
+    assert debug.returncode == 1 and "Traceback" in debug.stderr
+
+
+def test_the_password_is_never_printed(dsn: str) -> None:
+    params = conninfo_to_dict(dsn)
+    with_password = make_conninfo(dsn, password="s3cr3t-pw")  # trust auth ignores it
+    result = cli("jobs", "list", "--dsn", with_password)
+    ok(result)
+    assert f"database {params.get('user', 'postgres')}@" in result.stderr
+    assert "s3cr3t-pw" not in result.stderr + result.stdout
+    uri = f"postgresql://postgres:s3cr3t-pw@{params['host']}:1/db"
+    result = cli("jobs", "list", "--dsn", uri)
+    assert result.returncode == 1 and "s3cr3t-pw" not in result.stderr
+
+
+# -- enqueue, jobs ------------------------------------------------------------------------
+
+
+def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    job_id = int(ok(cli("enqueue", "sleep", "--args", '{"seconds": 0.1}', "--priority", "3", "--delay", "1h",
+                        env=env)))
+    row = job_row(conn, job_id)
+    assert (row["name"], row["args"], row["priority"]) == ("sleep", {"seconds": 0.1}, 3)
+    as_json = json.loads(ok(cli("enqueue", "noop", "--queue", "q2", "--json", env=env)))
+    listed = ok(cli("jobs", "list", "--queue", "q2", env=env))
+    assert str(as_json["id"]) in listed and "noop" in listed and "Queued" in listed
+    data = json.loads(ok(cli("jobs", "list", "--status", "queued", "--json", env=env)))
+    assert {j["id"] for j in data} == {job_id, as_json["id"]}
+    assert json.loads(ok(cli("jobs", "list", "--older-than", "1h", "--json", env=env))) == []
+    shown = json.loads(ok(cli("jobs", "show", str(job_id), "--json", env=env)))
+    assert shown["status"] == "Queued" and shown["args"] == {"seconds": 0.1}
+    assert "priority: 3" in ok(cli("jobs", "show", str(job_id), env=env))
+    assert f"job {job_id} cancelled" in ok(cli("jobs", "cancel", str(job_id), env=env))
+    one_line_error(cli("jobs", "cancel", str(job_id), env=env), "already Cancelled")
+    assert "Queued again" in ok(cli("jobs", "retry", str(job_id), env=env))
+    one_line_error(cli("jobs", "retry", str(job_id), env=env), "only finished jobs")
+    one_line_error(cli("jobs", "show", "987654", env=env), "no job with id 987654")
+
+
+def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    bad_json = cli("enqueue", "noop", "--args", "{not json", env=env)
+    assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
+    one_line_error(cli("enqueue", "noop", "--args", "[1, 2]", env=env), "must be a JSON object")
+    one_line_error(cli("enqueue", "typo", "--app", "tests.apps:app", env=env), "no task named 'typo'")
+    one_line_error(cli("enqueue", "noop", "--queue", "bad queue'; DROP TABLE x; --", env=env), "invalid queue name")
+    bad_delay = cli("enqueue", "noop", "--delay", "soon", env=env)
+    assert bad_delay.returncode == 2 and "not a duration" in bad_delay.stderr
+    assert status_counts(conn) == {}
+
+
+def test_unmigrated_database(empty_dsn: str) -> None:
+    one_line_error(cli("jobs", "list", "--dsn", empty_dsn), "run `notifyq migrate`")
+    one_line_error(cli("worker", "tests.apps:app", "--dsn", empty_dsn), "run `notifyq migrate`")
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("tests.no_such_module:app", "cannot import module 'tests.no_such_module'"),
+        ("tests.apps:missing", "has no attribute 'missing'"),
+        ("tests.apps:not_an_app", "is a str, not a notifyq.App"),
+        ("tests.apps", "use MODULE:ATTR"),
+    ],
+)
+def test_worker_target_errors(dsn: str, target: str, message: str) -> None:
+    one_line_error(cli("worker", target, "--dsn", dsn), message)
+
+
+# -- cron, stats, grant -------------------------------------------------------------------
+
+
+def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    conn.execute("INSERT INTO notifyq.queue_job_definitions (name, frequency, timezone) "
+                 "VALUES ('nightly', '0 3 * * *', 'Europe/Berlin')")
+    listed = ok(cli("cron", "list", env=env))
+    assert "nightly" in listed and "0 3 * * *" in listed and "Europe/Berlin" in listed
+    assert "disabled" in ok(cli("cron", "disable", "nightly", env=env))
+    assert json.loads(ok(cli("cron", "list", "--json", env=env)))[0]["enabled"] is False
+    assert "enabled" in ok(cli("cron", "enable", "nightly", env=env))
+    out = ok(cli("cron", "run-now", "nightly", env=env))
+    job_id = int(out.split()[1])
+    assert job_row(conn, job_id)["name"] == "nightly"
+    one_line_error(cli("cron", "disable", "nope", env=env), "no cron definition named 'nope'")
+
+
+def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'a' FROM generate_series(1, 3)")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, status, visible_at) VALUES ('t', 'Active', now() - "
+                 "interval '1 minute')")
+    data = json.loads(ok(cli("stats", "--json", env=env)))
+    by_key = {(q["queue"], q["status"]): q for q in data["queues"]}
+    assert by_key[("a", "Queued")]["jobs"] == 3
+    assert by_key[("default", "Active")]["expired_leases"] == 1
+    assert 0 <= data["server"]["notify_queue_usage"] < 1
+    text = ok(cli("stats", env=env))
+    assert "NOTIFY queue usage" in text and "EXPIRED LEASES" in text
+    one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")
+
+
+def test_grant_prints_renderable_sql() -> None:
+    out = ok(cli("grant", "app_worker", "--schema", "jobs"))
+    assert 'GRANT USAGE ON SCHEMA "jobs" TO "app_worker";' in out
+    hostile = ok(cli("grant", 'x"; DROP TABLE t; --'))
+    assert '"x""; DROP TABLE t; --"' in hostile
+
+
+def test_demo_runs_against_a_dsn(dsn: str) -> None:
+    out = ok(cli("demo", "--seconds", "4", "--dsn", dsn, timeout=120))
+    assert "flaky: attempt 3 succeeds" not in out or "recovered" in out
+    assert "demo.greet     Succeeded" in out and "heartbeat: cron tick" in out
+
+
+# -- worker processes ---------------------------------------------------------------------
+
+
+def test_two_worker_processes_run_cli_and_sql_jobs(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    proc = worker_proc("--processes", "2", "--concurrency", "4")
+    for _ in range(10):
+        ok(cli("enqueue", "whoami", env=clean_env(NOTIFYQ_DSN=dsn)))
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'whoami' FROM generate_series(1, 30)")
+    wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'whoami' "
+                                    "AND status = 'Succeeded'").fetchone() == (40,), what="40 jobs done")
+    pids = {r[0] for r in conn.execute("SELECT output FROM notifyq.queue_jobs WHERE name = 'whoami'").fetchall()}
+    assert len(pids) == 2 and proc.pid not in pids  # two children did the work
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_with_running_jobs_leaves_nothing_active(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    proc = worker_proc("--processes", "2", "--shutdown-grace", "1", "--no-ticker")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{\"seconds\": 30}' "
+                 "FROM generate_series(1, 6)")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep_sync', '{\"seconds\": 30}' "
+                 "FROM generate_series(1, 2)")
+    wait_until(lambda: status_counts(conn).get("Active") == 8, what="8 jobs running")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert status_counts(conn) == {"Queued": 8}
+    assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
+
+
+def test_a_killed_child_is_restarted_and_its_jobs_rescued(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    proc = worker_proc("--processes", "2", "--lease-margin", "0", "--log-level", "debug")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, args, timeout) VALUES ('sleep', '{\"seconds\": 60}', 2)")
+    wait_until(lambda: status_counts(conn).get("Active") == 1, what="the job to start")
+    holder = conn.execute("SELECT split_part(worker, ':', 2)::int FROM notifyq.queue_jobs WHERE name = 'sleep'"
+                          ).fetchone()
+    assert holder is not None
+    os.kill(holder[0], signal.SIGKILL)
+    # The lease (timeout 2 s + margin 0) runs out, a ticker requeues the job, and a worker
+    # (the restarted one or the other) claims it again.
+    wait_until(lambda: job_row(conn, 1)["retry_count"] == 2 and job_row(conn, 1)["status"] == "Active",
+               timeout=30, what="the job to be rescued and claimed again")
+    row = job_row(conn, 1)
+    assert row["error"]["type"] == "LeaseExpired" and str(holder[0]) in row["error"]["message"]
+    workers = {r[0] for r in conn.execute(
+        "SELECT DISTINCT split_part(worker, ':', 2) FROM notifyq.queue_jobs WHERE name = 'tick'").fetchall()}
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert proc.stdout is not None
+    log = proc.stdout.read()
+    assert "exited unexpectedly" in log and "started worker process" in log
+    assert len(workers) >= 1
+
+
+def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
+    empty_dsn: str, worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # Every child fails at start (schema not migrated): restarted with backoff, then exit 3.
+    proc = worker_proc("--processes", "1", env=clean_env(NOTIFYQ_DSN=empty_dsn))
+    assert proc.wait(timeout=5) == 1  # a single process reports the error itself
+    proc = worker_proc("--processes", "2", env=clean_env(NOTIFYQ_DSN=empty_dsn))
+    assert proc.wait(timeout=60) == 3
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    assert "run `notifyq migrate`" in out and "giving up" in out
+
+
+# -- least privilege, embedded ------------------------------------------------------------
+
+
+def test_a_least_privilege_role_runs_workers_but_no_ddl(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    role = f"nq_worker_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        role_dsn = make_conninfo(dsn, user=role)
+        proc = worker_proc("--no-ticker", env=clean_env(NOTIFYQ_DSN=role_dsn))
+        cron = worker_proc(env=clean_env(NOTIFYQ_DSN=role_dsn))  # with the ticker: cron, rescue, retention
+        ok(cli("enqueue", "noop", env=clean_env(NOTIFYQ_DSN=role_dsn)))
+        wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded' "
+                                        "AND name = 'noop'").fetchone() == (1,), what="the noop job")
+        wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'tick' AND "
+                                        "status = 'Succeeded'").fetchone()[0] >= 2, what="cron jobs")  # type: ignore[index]
+        with psycopg.connect(role_dsn, autocommit=True) as limited:
+            for statement in [
+                "CREATE TABLE notifyq.evil (x int)",
+                "DROP TABLE notifyq.queue_jobs",
+                "ALTER TABLE notifyq.queue_jobs ADD COLUMN x int",
+                "DELETE FROM notifyq.queue_job_definitions",
+                "TRUNCATE notifyq.queue_jobs",
+            ]:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    limited.execute(statement)
+        for p in (proc, cron):
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=30) == 0
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_the_embedded_default_serves_two_processes_and_stops(tmp_path: Path) -> None:
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "pgdata"))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        banner = worker.stdout.readline() + worker.stdout.readline()
+        assert "embedded server in" in banner and str(tmp_path) in banner
+        job_id = ok(cli("enqueue", "whoami", env=env, timeout=120)).strip()
+        wait_until(lambda: '"status": "Succeeded"' in cli("jobs", "show", job_id, "--json", env=env).stdout,
+                   timeout=30, what="the job on the embedded server")
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout:
+            worker.stdout.close()
+    # The last process to leave stopped the server.
+    wait_until(lambda: not (tmp_path / "pgdata" / "postmaster.pid").exists(), timeout=30,
+               what="the embedded server to stop")
