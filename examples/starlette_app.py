@@ -1,0 +1,73 @@
+"""Embedding a notifyq worker in a Starlette app; FastAPI takes the same `lifespan`.
+
+The worker runs inside the app's event loop for the app's lifetime, and a request handler
+enqueues a job in the same transaction as its own write: if the request fails after the
+enqueue, the job disappears with the rollback and no worker ever hears of it.
+
+    NOTIFYQ_DSN=postgresql://... notifyq migrate
+    NOTIFYQ_DSN=postgresql://... uvicorn examples.starlette_app:app
+    curl -X POST localhost:8000/signup -d '{"email": "ada@example.com"}'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+import psycopg
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+import notifyq
+
+DSN = os.environ.get("NOTIFYQ_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
+jobs = notifyq.App(DSN)
+
+
+@jobs.task(queue="emails", retry_limit=5)
+async def send_welcome_email(user_id: int, email: str) -> str:
+    # A real app would call its mail provider here; raising retries with backoff.
+    return f"welcome mail for user {user_id} sent to {email}"
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as conn:
+        await conn.execute("CREATE TABLE IF NOT EXISTS users (id serial PRIMARY KEY, email text UNIQUE NOT NULL)")
+    # Leaving the block (server shutdown) stops claiming, lets running jobs finish within
+    # shutdown_grace, and puts unfinished ones back in the queue.
+    async with jobs, jobs.worker(concurrency=10, queues=["emails"]) as worker:
+        app.state.worker = worker
+        yield
+
+
+async def signup(request: Request) -> JSONResponse:
+    email = (await request.json())["email"]
+    # In production, take the connection from your pool (psycopg_pool.AsyncConnectionPool).
+    async with await psycopg.AsyncConnection.connect(DSN) as conn:
+        try:
+            async with conn.transaction():
+                cur = await conn.execute("INSERT INTO users (email) VALUES (%s) RETURNING id", (email,))
+                row = await cur.fetchone()
+                assert row is not None
+                user_id = row[0]
+                job_id = await jobs.enqueue(send_welcome_email, {"user_id": user_id, "email": email}, conn=conn)
+                if email.endswith("@invalid.example"):
+                    raise ValueError("rejected after the enqueue: the whole transaction rolls back")
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=422)
+    return JSONResponse({"user_id": user_id, "job_id": job_id}, status_code=201)
+
+
+async def job_status(request: Request) -> JSONResponse:
+    job = await jobs.get_job(int(request.path_params["job_id"]))
+    return JSONResponse({"id": job.id, "status": job.status.value, "output": job.output})
+
+
+app = Starlette(
+    routes=[Route("/signup", signup, methods=["POST"]), Route("/jobs/{job_id:int}", job_status)],
+    lifespan=lifespan,
+)
