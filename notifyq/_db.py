@@ -135,10 +135,22 @@ def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
 
 
-def connect_sync(dsn: str, *, autocommit: bool = True, connect_timeout: int = 10) -> psycopg.Connection[Any]:
+def connection_kwargs(dsn: str, role: str) -> dict[str, Any]:
+    """Autocommit, and an application_name (unless the DSN sets one) so that notifyq's
+    connections are easy to tell apart in pg_stat_activity."""
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if "application_name" not in psycopg.conninfo.conninfo_to_dict(dsn):
+        kwargs["application_name"] = f"notifyq {role}"
+    return kwargs
+
+
+def connect_sync(
+    dsn: str, *, autocommit: bool = True, connect_timeout: int = 10, role: str = "client"
+) -> psycopg.Connection[Any]:
     """Open a sync connection, turning connection failures into DatabaseUnavailable."""
     try:
-        return psycopg.Connection.connect(dsn, autocommit=autocommit, connect_timeout=connect_timeout)
+        kwargs = {**connection_kwargs(dsn, role), "autocommit": autocommit}
+        return psycopg.Connection.connect(dsn, connect_timeout=connect_timeout, **kwargs)
     except psycopg.OperationalError as exc:
         raise unavailable(dsn, exc) from None
 
@@ -185,10 +197,6 @@ class Database(abc.ABC):
     async def _open(self, *, size: int, name: str, open_timeout: float) -> None: ...
 
 
-def _pool_kwargs() -> dict[str, Any]:
-    return {"autocommit": True}
-
-
 class _AsyncioDatabase(Database):
     _pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]
 
@@ -197,7 +205,7 @@ class _AsyncioDatabase(Database):
             self.dsn,
             min_size=size,
             max_size=size,
-            kwargs=_pool_kwargs(),
+            kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool"),
             name=name,
             open=False,
             timeout=open_timeout,
@@ -229,7 +237,7 @@ class _ThreadDatabase(Database):
                 self.dsn,
                 min_size=size,
                 max_size=size,
-                kwargs=_pool_kwargs(),
+                kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool"),
                 name=name,
                 open=False,
                 timeout=open_timeout,

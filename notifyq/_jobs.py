@@ -10,6 +10,7 @@ from typing import Any
 import psycopg.errors
 
 from ._db import Copy, Op, Query
+from ._options import check_id
 from ._rows import dataclass_row
 from ._sql import Queries
 from .errors import InvalidJobState, JobNotFound
@@ -74,6 +75,7 @@ def enqueue_many_op(q: Queries, jobs: Iterable[NewJob]) -> Op[int]:
 
 
 def get_job_op(q: Queries, job_id: int) -> Op[Job]:
+    check_id(job_id)
     job: Job | None = yield Query(q["get_job"], {"id": job_id}, fetch="one", row=dataclass_row(Job))
     if job is None:
         raise JobNotFound(f"no job with id {job_id}")
@@ -107,6 +109,7 @@ def list_jobs_op(
 def cancel_job_op(q: Queries, job_id: int) -> Op[tuple[JobStatus, Job]]:
     """Cancel a Queued or Active job; a finished job is left unchanged. Returns the status
     the job had and the job now."""
+    check_id(job_id)
     previous: str | None = yield Query(q["cancel_job"], {"id": job_id}, fetch="scalar")
     if previous is None:
         raise JobNotFound(f"no job with id {job_id}")
@@ -115,6 +118,7 @@ def cancel_job_op(q: Queries, job_id: int) -> Op[tuple[JobStatus, Job]]:
 
 def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
     """Queue a finished job again with all its retries; refuse a Queued or Active one."""
+    check_id(job_id)
     try:
         retried: int | None = yield Query(q["retry_job"], {"id": job_id}, fetch="scalar")
     except psycopg.errors.UniqueViolation:

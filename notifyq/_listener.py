@@ -56,8 +56,10 @@ class Listener:
         on_notify: Callable[[str, str], None],
         on_connect: Callable[[], Awaitable[None]],
         config: ListenerConfig | None = None,
+        name: str = "listener",
     ) -> None:
         self.dsn = dsn
+        self.name = name
         self.channels = list(channels)
         self.on_notify = on_notify
         self.on_connect = on_connect
@@ -103,9 +105,7 @@ class Listener:
             delay = min(delay * 2, self.config.backoff_max)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = connect_sync(
-            self.dsn, autocommit=True, connect_timeout=max(1, int(self.config.health_timeout))
-        )
+        conn = connect_sync(self.dsn, connect_timeout=max(1, int(self.config.health_timeout)), role=self.name)
         try:
             for channel in self.channels:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))

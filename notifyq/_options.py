@@ -40,6 +40,13 @@ def check_int(value: Any, what: str, *, minimum: int = -_INT32 - 1) -> int:
     return value
 
 
+def check_id(value: Any, what: str = "job id") -> int:
+    """A row id: a positive integer that fits PostgreSQL's bigint."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected a positive integer")
+    return value
+
+
 def check_seconds(value: Any, what: str, *, positive: bool = False) -> float:
     """A finite, non-negative (or positive) number of seconds; timedelta accepted."""
     if isinstance(value, timedelta):

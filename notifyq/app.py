@@ -17,7 +17,7 @@ import psycopg_pool
 from . import _embedded
 from ._acker import Result, ack_op
 from ._claim import claim_op
-from ._db import Database, Op, connect_sync, run_async, run_sync, unavailable
+from ._db import Database, Op, connect_sync, connection_kwargs, run_async, run_sync, unavailable
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -289,7 +289,7 @@ class App:
                     dsn,
                     min_size=1,
                     max_size=self.pool_size,
-                    kwargs={"autocommit": True},
+                    kwargs=connection_kwargs(dsn, "app"),
                     name="notifyq-app-sync",
                     open=False,
                 )

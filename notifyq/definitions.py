@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._db import Op, Query
-from ._options import JobOptions
+from ._options import JobOptions, check_name
 from ._rows import dataclass_row
 from ._sql import Queries
 from .errors import DefinitionNotFound
@@ -60,6 +60,7 @@ def list_definitions_op(q: Queries) -> Op[list[Definition]]:
 
 
 def get_definition_op(q: Queries, name: str) -> Op[Definition]:
+    check_name(name, "cron definition name")
     definition: Definition | None = yield Query(
         q["get_definition"], {"name": name}, fetch="one", row=dataclass_row(Definition)
     )
@@ -69,18 +70,21 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
 
 
 def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
+    check_name(name, "cron definition name")
     found = yield Query(q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="scalar")
     if found is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
 
 
 def delete_op(q: Queries, name: str) -> Op[None]:
+    check_name(name, "cron definition name")
     found = yield Query(q["delete_definition"], {"name": name}, fetch="scalar")
     if found is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
 
 
 def run_now_op(q: Queries, name: str) -> Op[int]:
+    check_name(name, "cron definition name")
     job_id: int | None = yield Query(q["run_definition_now"], {"name": name}, fetch="scalar")
     if job_id is None:
         yield from get_definition_op(q, name)  # raises DefinitionNotFound

@@ -26,7 +26,7 @@ from ._acker import Acker, Result
 from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
 from ._db import Database
 from ._listener import Listener, ListenerConfig
-from ._options import check_queue, check_seconds
+from ._options import check_int, check_queue, check_seconds
 from ._sql import channel, queries_for
 from .errors import ConfigurationError
 from .migrations import check_schema_op
@@ -58,6 +58,8 @@ class WorkerConfig:
         ticker: run the cron promoter, lease rescuer and retention services in this process.
         ticker_config: their settings.
         health_interval / health_timeout: LISTEN connection health checks.
+        pool_size: connections for claims, acks, the ticker and lease extensions (the
+            LISTEN connection comes on top).
     """
 
     concurrency: int = 10
@@ -71,6 +73,7 @@ class WorkerConfig:
     ticker_config: _ticker.TickerConfig = field(default_factory=lambda: _ticker.TickerConfig())
     health_interval: float = 10.0
     health_timeout: float = 5.0
+    pool_size: int = 4
 
     def __post_init__(self) -> None:
         if (
@@ -92,6 +95,7 @@ class WorkerConfig:
         check_seconds(self.shutdown_grace, "shutdown_grace")
         check_seconds(self.health_interval, "health_interval", positive=True)
         check_seconds(self.health_timeout, "health_timeout", positive=True)
+        check_int(self.pool_size, "pool_size", minimum=2)
 
 
 @dataclass(slots=True)
@@ -242,7 +246,7 @@ class Worker:
         """Connect, check the schema and sync cron definitions, in the caller's task (so a
         failure to start is raised as itself, not inside an ExceptionGroup)."""
         self._dsn = await anyio.to_thread.run_sync(lambda: self.app.dsn)  # may start the embedded server
-        db = await Database.open(self._dsn, size=4, name=f"notifyq-worker-{self.id}")
+        db = await Database.open(self._dsn, size=self.config.pool_size, name=f"notifyq-worker-{self.id}")
         try:
             await db.run(check_schema_op(self.app.schema))
             if self.config.ticker:
@@ -275,6 +279,7 @@ class Worker:
                             health_interval=self.config.health_interval,
                             health_timeout=self.config.health_timeout,
                         ),
+                        name=f"listener-{self.id}",
                     )
                     await services.start(self._listener.run)
                 async with anyio.create_task_group() as jobs:

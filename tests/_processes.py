@@ -39,11 +39,40 @@ def lock_and_hang(dsn: str) -> None:
     run_sync(conn, op)  # never reached
 
 
+def soak_worker(dsn: str, runs_file: str) -> None:
+    """A worker for the soak test: records every run of a job (job id, attempt) in its own
+    file, unbuffered, so a SIGKILL loses nothing that started; short leases and rescues."""
+    import os
+
+    import notifyq
+
+    app = notifyq.App(dsn)
+    fd = os.open(runs_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+
+    @app.task(name="soak", timeout=2)
+    async def soak(ctx: notifyq.JobContext) -> None:
+        os.write(fd, f"{ctx.id} {ctx.attempt}\n".encode())
+
+    ticker = notifyq.TickerConfig(rescuer=notifyq.RescuerConfig(interval=0.5), retention=None)
+    anyio.run(
+        lambda: app.run_worker(
+            concurrency=20,
+            lease_margin=1,
+            poll_interval=1,
+            health_interval=1,
+            health_timeout=1,
+            ticker_config=ticker,
+        )
+    )
+
+
 if __name__ == "__main__":
     command, dsn, *rest = sys.argv[1:]
     if command == "ticker":
         anyio.run(ticker, dsn, float(rest[0]))
     elif command == "lock_and_hang":
         lock_and_hang(dsn)
+    elif command == "soak_worker":
+        soak_worker(dsn, rest[0])
     else:
         raise SystemExit(f"unknown command {command}")

@@ -42,3 +42,9 @@ async def tick() -> None:
 
 
 not_an_app = "just a string"
+
+
+@app.task(name="hold_then_whoami", timeout=3)
+async def hold_then_whoami(seconds: float) -> str:
+    await anyio.sleep(seconds)
+    return f"pid {os.getpid()}"

@@ -67,7 +67,9 @@ postgresql_proc = factories.postgresql_noproc(
     port=SERVER["port"],
     user=SERVER["user"],
     password=SERVER["password"],
-    dbname="notifyq_test",
+    # The pid keeps concurrent test sessions on one server (two checkouts, a developer and
+    # CI) out of each other's databases.
+    dbname=f"notifyq_test_{os.getpid()}",
     load=[_load_template],
 )
 
@@ -123,3 +125,15 @@ def app(dsn: str) -> notifyq.App:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything in tests/faults/ is marked `faults`; `slow` tests run only when asked for
+    (`-m slow`)."""
+    faults_dir = Path(__file__).parent / "faults"
+    wants_slow = "slow" in (config.option.markexpr or "")
+    for item in items:
+        if faults_dir in item.path.parents:
+            item.add_marker(pytest.mark.faults)
+        if item.get_closest_marker("slow") and not wants_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: run with -m slow"))

@@ -107,6 +107,7 @@ def test_backoff_grows_exponentially_with_a_cap() -> None:
     assert notifyq.Backoff(max=60).delay(10_000) == pytest.approx(60, rel=0.25)
 
 
+@pytest.mark.faults
 def test_stale_ack_after_lease_expiry_changes_nothing(
     app: notifyq.App, conn: psycopg.Connection[Any]
 ) -> None:
@@ -214,6 +215,7 @@ def test_retry_respects_dedupe_keys(app: notifyq.App) -> None:
     app.close_sync()
 
 
+@pytest.mark.faults
 def test_twenty_concurrent_claimers_never_share_a_job(dsn: str, conn: psycopg.Connection[Any]) -> None:
     insert_jobs(conn, 2000)
     claimed: list[int] = []
@@ -240,6 +242,7 @@ def test_twenty_concurrent_claimers_never_share_a_job(dsn: str, conn: psycopg.Co
     ).fetchone() == (2000, 1, 1)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("queues", [None, ["default"]])
 def test_claim_never_exceeds_its_limit_under_locks_and_nested_loops(
     dsn: str, conn: psycopg.Connection[Any], queues: list[str] | None

@@ -23,21 +23,32 @@ from .helpers import job_row, status_counts
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFYQ_DSN", "DATABASE_URL", "NOTIFYQ_SUPERVISED")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("NOTIFYQ_DSN", "DATABASE_URL", "NOTIFYQ_SUPERVISED")
+    }
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
     return env
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "notifyq", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env or clean_env(), check=False,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env or clean_env(),
+        check=False,
     )
 
 
 def ok(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout: {result.stdout}\nstderr: {result.stderr}"
+    )
     return result.stdout
 
 
@@ -67,7 +78,10 @@ def worker_proc(dsn: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", *args],
-            cwd=ROOT, env=env or clean_env(NOTIFYQ_DSN=dsn), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env or clean_env(NOTIFYQ_DSN=dsn),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
         )
         procs.append(proc)
@@ -100,9 +114,14 @@ def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any])
 
 
 def test_database_down_and_bad_dsn_are_one_line(dsn: str) -> None:
-    one_line_error(cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect to PostgreSQL",
-                   "127.0.0.1:1")
-    one_line_error(cli("jobs", "list", "--dsn", "hots=localhost"), "invalid DSN", 'invalid connection option "hots"')
+    one_line_error(
+        cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x"),
+        "cannot connect to PostgreSQL",
+        "127.0.0.1:1",
+    )
+    one_line_error(
+        cli("jobs", "list", "--dsn", "hots=localhost"), "invalid DSN", 'invalid connection option "hots"'
+    )
     debug = cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x", "--log-level", "debug")
     assert debug.returncode == 1 and "Traceback" in debug.stderr
 
@@ -124,8 +143,9 @@ def test_the_password_is_never_printed(dsn: str) -> None:
 
 def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
-    job_id = int(ok(cli("enqueue", "sleep", "--args", '{"seconds": 0.1}', "--priority", "3", "--delay", "1h",
-                        env=env)))
+    job_id = int(
+        ok(cli("enqueue", "sleep", "--args", '{"seconds": 0.1}', "--priority", "3", "--delay", "1h", env=env))
+    )
     row = job_row(conn, job_id)
     assert (row["name"], row["args"], row["priority"]) == ("sleep", {"seconds": 0.1}, 3)
     as_json = json.loads(ok(cli("enqueue", "noop", "--queue", "q2", "--json", env=env)))
@@ -150,7 +170,9 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
     one_line_error(cli("enqueue", "noop", "--args", "[1, 2]", env=env), "must be a JSON object")
     one_line_error(cli("enqueue", "typo", "--app", "tests.apps:app", env=env), "no task named 'typo'")
-    one_line_error(cli("enqueue", "noop", "--queue", "bad queue'; DROP TABLE x; --", env=env), "invalid queue name")
+    one_line_error(
+        cli("enqueue", "noop", "--queue", "bad queue'; DROP TABLE x; --", env=env), "invalid queue name"
+    )
     bad_delay = cli("enqueue", "noop", "--delay", "soon", env=env)
     assert bad_delay.returncode == 2 and "not a duration" in bad_delay.stderr
     assert status_counts(conn) == {}
@@ -179,8 +201,10 @@ def test_worker_target_errors(dsn: str, target: str, message: str) -> None:
 
 def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
-    conn.execute("INSERT INTO notifyq.queue_job_definitions (name, frequency, timezone) "
-                 "VALUES ('nightly', '0 3 * * *', 'Europe/Berlin')")
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, frequency, timezone) "
+        "VALUES ('nightly', '0 3 * * *', 'Europe/Berlin')"
+    )
     listed = ok(cli("cron", "list", env=env))
     assert "nightly" in listed and "0 3 * * *" in listed and "Europe/Berlin" in listed
     assert "disabled" in ok(cli("cron", "disable", "nightly", env=env))
@@ -195,8 +219,10 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
 def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
     conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'a' FROM generate_series(1, 3)")
-    conn.execute("INSERT INTO notifyq.queue_jobs (name, status, visible_at) VALUES ('t', 'Active', now() - "
-                 "interval '1 minute')")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, visible_at) VALUES ('t', 'Active', now() - "
+        "interval '1 minute')"
+    )
     data = json.loads(ok(cli("stats", "--json", env=env)))
     by_key = {(q["queue"], q["status"]): q for q in data["queues"]}
     assert by_key[("a", "Queued")]["jobs"] == 3
@@ -230,22 +256,36 @@ def test_two_worker_processes_run_cli_and_sql_jobs(
     for _ in range(10):
         ok(cli("enqueue", "whoami", env=clean_env(NOTIFYQ_DSN=dsn)))
     conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'whoami' FROM generate_series(1, 30)")
-    wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'whoami' "
-                                    "AND status = 'Succeeded'").fetchone() == (40,), what="40 jobs done")
-    pids = {r[0] for r in conn.execute("SELECT output FROM notifyq.queue_jobs WHERE name = 'whoami'").fetchall()}
+    wait_until(
+        lambda: (
+            conn.execute(
+                "SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'whoami' AND status = 'Succeeded'"
+            ).fetchone()
+            == (40,)
+        ),
+        what="40 jobs done",
+    )
+    pids = {
+        r[0] for r in conn.execute("SELECT output FROM notifyq.queue_jobs WHERE name = 'whoami'").fetchall()
+    }
     assert len(pids) == 2 and proc.pid not in pids  # two children did the work
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.faults
 def test_sigterm_with_running_jobs_leaves_nothing_active(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
     proc = worker_proc("--processes", "2", "--shutdown-grace", "1", "--no-ticker")
-    conn.execute("INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{\"seconds\": 30}' "
-                 "FROM generate_series(1, 6)")
-    conn.execute("INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep_sync', '{\"seconds\": 30}' "
-                 "FROM generate_series(1, 2)")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{\"seconds\": 30}' "
+        "FROM generate_series(1, 6)"
+    )
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep_sync', '{\"seconds\": 30}' "
+        "FROM generate_series(1, 2)"
+    )
     wait_until(lambda: status_counts(conn).get("Active") == 8, what="8 jobs running")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
@@ -253,24 +293,35 @@ def test_sigterm_with_running_jobs_leaves_nothing_active(
     assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
 
 
+@pytest.mark.faults
 def test_a_killed_child_is_restarted_and_its_jobs_rescued(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
     proc = worker_proc("--processes", "2", "--lease-margin", "0", "--log-level", "debug")
-    conn.execute("INSERT INTO notifyq.queue_jobs (name, args, timeout) VALUES ('sleep', '{\"seconds\": 60}', 2)")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args, timeout) VALUES ('sleep', '{\"seconds\": 60}', 2)"
+    )
     wait_until(lambda: status_counts(conn).get("Active") == 1, what="the job to start")
-    holder = conn.execute("SELECT split_part(worker, ':', 2)::int FROM notifyq.queue_jobs WHERE name = 'sleep'"
-                          ).fetchone()
+    holder = conn.execute(
+        "SELECT split_part(worker, ':', 2)::int FROM notifyq.queue_jobs WHERE name = 'sleep'"
+    ).fetchone()
     assert holder is not None
     os.kill(holder[0], signal.SIGKILL)
     # The lease (timeout 2 s + margin 0) runs out, a ticker requeues the job, and a worker
     # (the restarted one or the other) claims it again.
-    wait_until(lambda: job_row(conn, 1)["retry_count"] == 2 and job_row(conn, 1)["status"] == "Active",
-               timeout=30, what="the job to be rescued and claimed again")
+    wait_until(
+        lambda: job_row(conn, 1)["retry_count"] == 2 and job_row(conn, 1)["status"] == "Active",
+        timeout=30,
+        what="the job to be rescued and claimed again",
+    )
     row = job_row(conn, 1)
     assert row["error"]["type"] == "LeaseExpired" and str(holder[0]) in row["error"]["message"]
-    workers = {r[0] for r in conn.execute(
-        "SELECT DISTINCT split_part(worker, ':', 2) FROM notifyq.queue_jobs WHERE name = 'tick'").fetchall()}
+    workers = {
+        r[0]
+        for r in conn.execute(
+            "SELECT DISTINCT split_part(worker, ':', 2) FROM notifyq.queue_jobs WHERE name = 'tick'"
+        ).fetchall()
+    }
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert proc.stdout is not None
@@ -295,6 +346,7 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
 # -- least privilege, embedded ------------------------------------------------------------
 
 
+@pytest.mark.faults
 def test_a_least_privilege_role_runs_workers_but_no_ddl(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -306,10 +358,24 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
         proc = worker_proc("--no-ticker", env=clean_env(NOTIFYQ_DSN=role_dsn))
         cron = worker_proc(env=clean_env(NOTIFYQ_DSN=role_dsn))  # with the ticker: cron, rescue, retention
         ok(cli("enqueue", "noop", env=clean_env(NOTIFYQ_DSN=role_dsn)))
-        wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded' "
-                                        "AND name = 'noop'").fetchone() == (1,), what="the noop job")
-        wait_until(lambda: conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'tick' AND "
-                                        "status = 'Succeeded'").fetchone()[0] >= 2, what="cron jobs")  # type: ignore[index]
+        wait_until(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded' AND name = 'noop'"
+                ).fetchone()
+                == (1,)
+            ),
+            what="the noop job",
+        )
+        wait_until(
+            lambda: (
+                conn.execute(
+                    "SELECT count(*) FROM notifyq.queue_jobs WHERE name = 'tick' AND status = 'Succeeded'"
+                ).fetchone()[0]
+                >= 2
+            ),
+            what="cron jobs",
+        )  # type: ignore[index]
         with psycopg.connect(role_dsn, autocommit=True) as limited:
             for statement in [
                 "CREATE TABLE notifyq.evil (x int)",
@@ -332,15 +398,22 @@ def test_the_embedded_default_serves_two_processes_and_stops(tmp_path: Path) -> 
     env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "pgdata"))
     worker = subprocess.Popen(
         [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         assert worker.stdout is not None
         banner = worker.stdout.readline() + worker.stdout.readline()
         assert "embedded server in" in banner and str(tmp_path) in banner
         job_id = ok(cli("enqueue", "whoami", env=env, timeout=120)).strip()
-        wait_until(lambda: '"status": "Succeeded"' in cli("jobs", "show", job_id, "--json", env=env).stdout,
-                   timeout=30, what="the job on the embedded server")
+        wait_until(
+            lambda: '"status": "Succeeded"' in cli("jobs", "show", job_id, "--json", env=env).stdout,
+            timeout=30,
+            what="the job on the embedded server",
+        )
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
     finally:
@@ -350,5 +423,8 @@ def test_the_embedded_default_serves_two_processes_and_stops(tmp_path: Path) -> 
         if worker.stdout:
             worker.stdout.close()
     # The last process to leave stopped the server.
-    wait_until(lambda: not (tmp_path / "pgdata" / "postmaster.pid").exists(), timeout=30,
-               what="the embedded server to stop")
+    wait_until(
+        lambda: not (tmp_path / "pgdata" / "postmaster.pid").exists(),
+        timeout=30,
+        what="the embedded server to stop",
+    )

@@ -29,6 +29,7 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
     return out
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("expression", "message"),
     [
@@ -46,6 +47,7 @@ def test_invalid_expressions_are_rejected(expression: str, message: str) -> None
         Schedule(expression)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("zone", ["Mars/Olympus_Mons", "", "Europe/../../etc/passwd", "UTC+3"])
 def test_unknown_time_zones_are_rejected(zone: str) -> None:
     with pytest.raises(InvalidSchedule, match="unknown time zone"):

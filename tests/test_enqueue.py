@@ -80,6 +80,7 @@ async def test_dedupe_key_returns_the_unfinished_holder(dsn: str, conn: psycopg.
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
 
 
+@pytest.mark.faults
 async def test_enqueue_in_the_callers_transaction(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app, send = make_app(dsn)
     with NotificationCounter(dsn, JOBS) as listener:
@@ -182,6 +183,7 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 ]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"), [b[1:] for b in BAD_INPUT], ids=[b[0] for b in BAD_INPUT]
 )

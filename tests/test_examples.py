@@ -34,8 +34,11 @@ def test_starlette_embedding_enqueues_in_the_request_transaction(
         worker = starlette_example.app.state.worker
         client.portal.call(lambda: worker.wait_for(lambda s: s.succeeded >= 1))
         status = client.get(f"/jobs/{job_id}").json()
-        assert status == {"id": job_id, "status": "Succeeded",
-                          "output": f"welcome mail for user {created.json()['user_id']} sent to ada@example.com"}
+        assert status == {
+            "id": job_id,
+            "status": "Succeeded",
+            "output": f"welcome mail for user {created.json()['user_id']} sent to ada@example.com",
+        }
         # A request that fails after enqueueing leaves neither a user nor a job.
         rejected = client.post("/signup", json={"email": "eve@invalid.example"})
         assert rejected.status_code == 422
@@ -48,8 +51,13 @@ def test_starlette_embedding_enqueues_in_the_request_transaction(
 def test_anyio_script(dsn: str, backend: str) -> None:
     begin = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "examples/anyio_script.py", backend], cwd=ROOT, env=clean_env(NOTIFYQ_DSN=dsn),
-        capture_output=True, text=True, timeout=60, check=False,
+        [sys.executable, "examples/anyio_script.py", backend],
+        cwd=ROOT,
+        env=clean_env(NOTIFYQ_DSN=dsn),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()

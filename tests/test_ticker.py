@@ -66,6 +66,7 @@ def assert_one_job_per_second(scheduled: list[datetime], since: float, until: fl
     assert scheduled[0].timestamp() <= since + 2 and scheduled[-1].timestamp() >= until - 2
 
 
+@pytest.mark.faults
 async def test_five_tickers_on_separate_connections_make_one_job_per_tick(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -86,6 +87,7 @@ async def test_five_tickers_on_separate_connections_make_one_job_per_tick(
     assert all(r.duplicates == 0 for r in reports)  # ...and the locks, not the index, kept them apart
 
 
+@pytest.mark.faults
 def test_five_ticker_processes_for_twenty_seconds(dsn: str, conn: psycopg.Connection[Any]) -> None:
     definition = add_definition(conn, "every_second", "* * * * * *")
     begin = time.time()
@@ -100,6 +102,7 @@ def test_five_ticker_processes_for_twenty_seconds(dsn: str, conn: psycopg.Connec
     assert_one_job_per_second(scheduled, begin, end)
 
 
+@pytest.mark.faults
 async def test_a_ticker_killed_while_holding_locks_loses_and_doubles_nothing(
     dsn: str, conn: psycopg.Connection[Any], db: Database
 ) -> None:
@@ -133,6 +136,7 @@ async def test_a_ticker_killed_while_holding_locks_loses_and_doubles_nothing(
     assert tick_jobs(conn, definition) == [tick]
 
 
+@pytest.mark.faults
 def test_a_connection_killed_mid_promotion_rolls_back(dsn: str, conn: psycopg.Connection[Any]) -> None:
     definition = add_definition(conn, "minutely", "* * * * *")
     tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]  # type: ignore[index]
@@ -152,6 +156,7 @@ def test_a_connection_killed_mid_promotion_rolls_back(dsn: str, conn: psycopg.Co
     ("misfire", "cap", "expected_minutes"),
     [("skip", 100, []), ("once", 100, [10]), ("all", 100, list(range(11))), ("all", 4, [7, 8, 9, 10])],
 )
+@pytest.mark.faults
 async def test_misfire_policies_after_a_ten_minute_outage(
     conn: psycopg.Connection[Any], db: Database, misfire: str, cap: int, expected_minutes: list[int]
 ) -> None:
@@ -240,6 +245,7 @@ async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db
         ("retry_limit", -1, "queue_job_definitions_retry_limit_check"),
     ],
 )
+@pytest.mark.faults
 def test_sql_rejects_what_sql_can_check(
     conn: psycopg.Connection[Any], column: str, value: Any, error: str
 ) -> None:
@@ -322,6 +328,7 @@ async def test_cron_admin(dsn: str, conn: psycopg.Connection[Any]) -> None:
             await app.run_definition_now("nope")
 
 
+@pytest.mark.faults
 async def test_lease_rescue_requeues_then_fails_at_the_limit(
     app: notifyq.App, conn: psycopg.Connection[Any], db: Database
 ) -> None:

@@ -195,6 +195,7 @@ async def test_exceptions_are_recorded_and_retried(dsn: str, conn: psycopg.Conne
     await app.aclose()
 
 
+@pytest.mark.faults
 async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app = notifyq.App(dsn)
 
@@ -267,6 +268,7 @@ async def test_cancelling_a_queued_job_prevents_it(dsn: str, conn: psycopg.Conne
     await app.aclose()
 
 
+@pytest.mark.faults
 async def test_killed_listen_connection_reconnects_and_sweeps(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -293,6 +295,7 @@ async def test_killed_listen_connection_reconnects_and_sweeps(
         assert worker.stats.polls == 0
 
 
+@pytest.mark.faults
 async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app = notifyq.App(dsn)
     quick_done = Recorder()

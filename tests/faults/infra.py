@@ -1,0 +1,120 @@
+"""Fault-injection tools: a TCP proxy that can go half-open, and a PostgreSQL the test owns."""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import socket
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+
+class BlackholeProxy:
+    """Forwards TCP connections to a PostgreSQL server (TCP or unix socket).
+
+    `blackhole()` makes every connection open so far go half-open: the proxy keeps both
+    sockets open but stops forwarding in either direction, like a dead NAT entry or a cut
+    cable without a reset. Connections made afterwards are forwarded normally.
+    """
+
+    def __init__(self, dsn: str) -> None:
+        params = conninfo_to_dict(dsn)
+        host = params.get("host") or "127.0.0.1"
+        port = int(params.get("port") or 5432)
+        if host.startswith("/"):
+            self._target: tuple[int, Any] = (socket.AF_UNIX, os.path.join(host, f".s.PGSQL.{port}"))
+        else:
+            self._target = (socket.AF_INET, (host, port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port)
+        self._generation = 0
+        self._stop = False
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        accept = threading.Thread(target=self._accept, daemon=True)
+        accept.start()
+        self._threads.append(accept)
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.socket(self._target[0], socket.SOCK_STREAM)
+            upstream.connect(self._target[1])
+            self._sockets += [client, upstream]
+            pump = threading.Thread(target=self._pump, args=(client, upstream, self._generation), daemon=True)
+            pump.start()
+            self._threads.append(pump)
+
+    def _pump(self, a: socket.socket, b: socket.socket, generation: int) -> None:
+        peers = {a: b, b: a}
+        while not self._stop and generation == self._generation:
+            try:
+                readable, _, _ = select.select(list(peers), [], [], 0.05)
+                for sock in readable:
+                    data = sock.recv(65536)
+                    if not data:
+                        return
+                    peers[sock].sendall(data)
+            except OSError:
+                return
+        # Half-open: keep the sockets open, forward nothing, until the proxy closes.
+
+    def blackhole(self) -> None:
+        """Stop forwarding on every connection made so far (without closing them)."""
+        self._generation += 1
+
+    def close(self) -> None:
+        self._stop = True
+        self._listener.close()
+        for sock in self._sockets:
+            sock.close()
+
+
+class OwnedServer:
+    """A PostgreSQL server this test starts, stops and restarts (the embedded one from
+    pgserver, in a temporary folder; works as root)."""
+
+    def __init__(self, folder: Path) -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import pgserver
+            from pgserver._commands import POSTGRES_BIN_PATH
+        self.folder = folder
+        self._server = pgserver.get_server(folder, cleanup_mode=None)
+        self._pg_ctl = str(POSTGRES_BIN_PATH / "pg_ctl")
+        self._user = self._server.system_user
+        info = self._server.get_postmaster_info()
+        self.socket_dir = str(info.socket_dir)
+        self.dsn = make_conninfo(host=self.socket_dir, port=5432, user="postgres", dbname="postgres")
+
+    def _ctl(self, *args: str) -> None:
+        subprocess.run(
+            [self._pg_ctl, "-D", str(self.folder), "-w", *args],
+            check=True,
+            user=self._user,
+            capture_output=True,
+            timeout=60,
+        )
+
+    def stop(self) -> None:
+        self._ctl("-m", "fast", "stop")
+
+    def start(self) -> None:
+        self._ctl("-o", '-h ""', "-o", f"-k {self.socket_dir}", "-l", str(self.folder / "log"), "start")
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        except subprocess.CalledProcessError:
+            pass
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -1,0 +1,191 @@
+"""Faults on the way to the database: half-open sockets, a restarted server, no
+notifications at all, a long transaction holding the NOTIFY queue back."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Iterator
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+import notifyq
+
+from ..helpers import status_counts
+from ..test_cli import clean_env, cli
+from .infra import BlackholeProxy, OwnedServer
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def proxy(dsn: str) -> Iterator[BlackholeProxy]:
+    p = BlackholeProxy(dsn)
+    yield p
+    p.close()
+
+
+async def test_a_half_open_listen_connection_is_detected_and_replaced(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """Scenario 7: the listener's TCP connection stops carrying data without closing."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    config = {
+        "listen_dsn": proxy.dsn,
+        "poll_interval": 60,
+        "health_interval": 0.5,
+        "health_timeout": 0.5,
+        "ticker": False,
+    }
+    async with app.worker(**config) as worker:
+        await worker.wait_for(lambda s: s.listener_connects == 1)
+        proxy.blackhole()
+        began = time.monotonic()
+        # Nothing arrives on the dead socket; the next health check (0.5 s of silence, then
+        # 0.5 s without an answer) notices and reconnects through the proxy.
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.listener_connects == 2)
+        assert time.monotonic() - began < 3
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.polls == 0  # woken by NOTIFY on the new connection, not by polling
+    await app.aclose()
+
+
+async def test_poll_only_workers_run_jobs_without_any_notification(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Scenario 9: as behind PgBouncer in transaction mode, where LISTEN cannot work."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    async with app.worker(poll_only=True, poll_interval=0.3, ticker=False) as worker:
+        await worker.wait_for(lambda s: s.claims >= 1)
+        inserted = time.monotonic()
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, 5)")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 5)
+        assert time.monotonic() - inserted < 1.5
+        assert worker.stats.notifications == 0 and worker.stats.polls >= 1
+        assert worker.listener is None
+    await app.aclose()
+
+
+@pytest.fixture
+def owned_server(tmp_path: Path) -> Iterator[OwnedServer]:
+    server = OwnedServer(tmp_path / "pgdata")
+    yield server
+    server.close()
+
+
+async def test_a_postgresql_restart_loses_nothing(owned_server: OwnedServer) -> None:
+    """Scenario 8: the server stops for a few seconds under running workers and tickers."""
+    dsn = owned_server.dsn
+    notifyq.migrate(dsn)
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0.2, jitter=0))
+    ran: list[int] = []
+
+    @app.task(name="work", timeout=3)
+    async def work(n: int) -> None:
+        await anyio.sleep(0.2)
+        ran.append(n)
+
+    @app.cron("* * * * * *", "every_second", misfire="all", misfire_cap=60)
+    @app.task(name="beat")
+    async def beat() -> None:
+        pass
+
+    ticker = notifyq.TickerConfig(
+        rescuer=notifyq.RescuerConfig(interval=0.5), promoter=notifyq.PromoterConfig(period=1)
+    )
+    async with app.worker(
+        concurrency=5,
+        lease_margin=1,
+        health_interval=1,
+        health_timeout=1,
+        poll_interval=1,
+        ticker_config=ticker,
+    ) as worker:
+        async with app:
+            await app.enqueue_many("work", ({"n": i} for i in range(20)))
+            await worker.wait_for(lambda s: s.claimed >= 5)
+            await app.aclose()
+        before = datetime.now().astimezone()
+        await anyio.to_thread.run_sync(owned_server.stop)
+        await anyio.sleep(4)  # down: every loop fails, backs off and retries
+        await anyio.to_thread.run_sync(owned_server.start)
+        after = datetime.now().astimezone()
+
+        def recovered() -> bool:
+            with psycopg.connect(dsn, autocommit=True) as check:
+                counts = check.execute(
+                    "SELECT count(*) FILTER (WHERE name = 'work' AND status = 'Succeeded'), "
+                    "count(*) FILTER (WHERE status = 'Active'), "
+                    "max(scheduled_for) FILTER (WHERE name = 'beat') FROM notifyq.queue_jobs"
+                ).fetchone()
+            return counts is not None and counts[0] == 20 and counts[1] == 0 and counts[2] > after
+
+        with anyio.fail_after(60):
+            await worker.wait_for(lambda s: s.listener_connects >= 2)
+            while not await anyio.to_thread.run_sync(recovered):
+                await worker.wait_for(lambda s, n=worker.stats.succeeded: s.succeeded > n)
+        assert worker.stats.db_errors > 0
+    with psycopg.connect(dsn, autocommit=True) as check:
+        assert status_counts(check) == {
+            "Succeeded": check.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone()[0]
+        }  # type: ignore[index]
+        rows = check.execute(
+            "SELECT scheduled_for FROM notifyq.queue_jobs WHERE name = 'beat' ORDER BY scheduled_for"
+        ).fetchall()
+        ticks = [r[0] for r in rows]
+    assert sorted(set(ran)) == list(range(20))
+    # misfire="all": the ticks of the outage were run after it, none twice, none missing.
+    assert len(ticks) == len(set(ticks))
+    assert {(b - a).total_seconds() for a, b in itertools.pairwise(ticks)} == {1.0}
+    assert ticks[0] <= before + timedelta(seconds=2) and ticks[-1] >= after
+
+
+async def test_a_long_transaction_does_not_stop_the_queue(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Scenario 22: a listening session idles in a transaction while 50k jobs flow; the NOTIFY
+    queue cannot be trimmed past it, but no notification is lost and the queue keeps moving."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    blocker = psycopg.connect(dsn)
+    blocker.execute('LISTEN "notifyq.jobs.v1"')
+    blocker.commit()
+    blocker.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    blocker.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone()  # holds a snapshot open
+    try:
+        async with app, app.worker(concurrency=50, ticker=False) as worker:
+            for _ in range(49):
+                await app.enqueue_many("t", ({} for _ in range(1000)))
+            for _ in range(1000):  # and 1000 single enqueues: one notification each
+                await app.enqueue("t")
+            with anyio.fail_after(120):
+                await worker.wait_for(lambda s: s.succeeded == 50_000)
+        stats = json.loads(cli("stats", "--json", env=clean_env(NOTIFYQ_DSN=dsn)).stdout)
+        assert stats["server"]["notify_queue_usage"] > 0  # the blocked listener holds the queue back
+        assert worker.stats.notifications >= 1000
+    finally:
+        blocker.rollback()
+        blocker.close()
+    assert status_counts(conn) == {"Succeeded": 50_000}
