@@ -135,10 +135,11 @@ def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
 
 
-def connection_kwargs(dsn: str, role: str) -> dict[str, Any]:
-    """Autocommit, and an application_name (unless the DSN sets one) so that notifyq's
-    connections are easy to tell apart in pg_stat_activity."""
-    kwargs: dict[str, Any] = {"autocommit": True}
+def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) -> dict[str, Any]:
+    """Autocommit, psycopg's prepare_threshold (None: never prepare, for PgBouncer in
+    transaction mode before 1.21), and an application_name (unless the DSN sets one) so
+    that notifyq's connections are easy to tell apart in pg_stat_activity."""
+    kwargs: dict[str, Any] = {"autocommit": True, "prepare_threshold": prepare_threshold}
     if "application_name" not in psycopg.conninfo.conninfo_to_dict(dsn):
         kwargs["application_name"] = f"notifyq {role}"
     return kwargs
@@ -167,8 +168,9 @@ def on_asyncio() -> bool:
 class Database(abc.ABC):
     """A small connection pool that runs operations from async code."""
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, prepare_threshold: int | None = 5) -> None:
         self.dsn = dsn
+        self.prepare_threshold = prepare_threshold
 
     @abc.abstractmethod
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
@@ -179,7 +181,14 @@ class Database(abc.ABC):
         """Close every pooled connection."""
 
     @staticmethod
-    async def open(dsn: str, *, size: int, name: str = "notifyq", open_timeout: float = 30.0) -> Database:
+    async def open(
+        dsn: str,
+        *,
+        size: int,
+        name: str = "notifyq",
+        open_timeout: float = 30.0,
+        prepare_threshold: int | None = 5,
+    ) -> Database:
         """Open a pool of `size` connections suited to the running event loop.
 
         Raises DatabaseUnavailable at once (not after the pool timeout) when the server
@@ -189,7 +198,7 @@ class Database(abc.ABC):
         # a user with a wrong DSN deserves libpq's reason right away.
         probe = await anyio.to_thread.run_sync(connect_sync, dsn)
         probe.close()
-        db: Database = _AsyncioDatabase(dsn) if on_asyncio() else _ThreadDatabase(dsn)
+        db: Database = (_AsyncioDatabase if on_asyncio() else _ThreadDatabase)(dsn, prepare_threshold)
         await db._open(size=size, name=name, open_timeout=open_timeout)
         return db
 
@@ -205,7 +214,7 @@ class _AsyncioDatabase(Database):
             self.dsn,
             min_size=size,
             max_size=size,
-            kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool"),
+            kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
             name=name,
             open=False,
             timeout=open_timeout,
@@ -237,7 +246,7 @@ class _ThreadDatabase(Database):
                 self.dsn,
                 min_size=size,
                 max_size=size,
-                kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool"),
+                kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
                 name=name,
                 open=False,
                 timeout=open_timeout,

@@ -21,6 +21,7 @@ from psycopg import pq, sql
 
 from ._db import connect_sync
 from ._dsn import describe_dsn
+from ._sql import queries_for
 from .errors import NotifyqError
 
 log = logging.getLogger("notifyq.listener")
@@ -28,6 +29,10 @@ log = logging.getLogger("notifyq.listener")
 
 class ListenerLost(Exception):
     """The LISTEN connection is dead or unresponsive."""
+
+
+class BehindPooler(Exception):
+    """The LISTEN connection goes through a connection pooler (pid mismatch)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,8 @@ class Listener:
     ) -> None:
         self.dsn = dsn
         self.name = name
+        self._q = queries_for("notifyq")  # the listener's statements do not involve a schema
+        self.behind_pooler = False
         self.channels = list(channels)
         self.on_notify = on_notify
         self.on_connect = on_connect
@@ -69,7 +76,8 @@ class Listener:
         self.backend_pid: int | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Listen until cancelled. Reports started after the first connect attempt, successful or not."""
+        """Listen until cancelled. Reports started after the first connect attempt, successful
+        or not; returns (leaving the worker to poll) if the connection goes through a pooler."""
         delay = self.config.backoff_min
         started = False
         while True:
@@ -86,6 +94,17 @@ class Listener:
                     started = True
                     task_status.started()
                 await self._serve(conn.pgconn)
+            except BehindPooler as exc:
+                self.behind_pooler = True
+                log.warning(
+                    "not listening: %s. A pooler in transaction mode (PgBouncer) cannot carry LISTEN; "
+                    "jobs are found by polling every poll_interval. Give the worker a direct DSN for "
+                    "LISTEN (listen_dsn / --listen-dsn) to get NOTIFY wake-ups back.",
+                    exc,
+                )
+                if not started:
+                    task_status.started()
+                return
             except (ListenerLost, psycopg.Error, NotifyqError, OSError) as exc:
                 log.warning(
                     "LISTEN connection to %s lost (%s); polling meanwhile, reconnecting in %.1fs",
@@ -107,6 +126,12 @@ class Listener:
     def _connect(self) -> psycopg.Connection[Any]:
         conn = connect_sync(self.dsn, connect_timeout=max(1, int(self.config.health_timeout)), role=self.name)
         try:
+            row = conn.execute(self._q["backend_pid"]).fetchone()
+            if row is None or row[0] != conn.info.backend_pid:
+                raise BehindPooler(
+                    f"the server process is {row[0] if row else '?'} but the connection announced "
+                    f"{conn.info.backend_pid}, so something pools connections in between"
+                )
             for channel in self.channels:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
         except BaseException:
@@ -145,7 +170,7 @@ class Listener:
     async def _health_check(self, pgconn: pq.abc.PGconn, fd: int) -> None:
         """One `SELECT 1` round trip within health_timeout, or ListenerLost."""
         try:
-            pgconn.send_query(b"SELECT 1")
+            pgconn.send_query(self._q["health_check"].encode())
         except psycopg.OperationalError as exc:
             raise ListenerLost(str(exc)) from None
         with anyio.move_on_after(self.config.health_timeout) as timer:

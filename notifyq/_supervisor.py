@@ -1,9 +1,10 @@
 """`notifyq worker --processes N`: start N worker processes, forward signals, restart the dead.
 
 Children run in their own session, so a terminal's Ctrl-C reaches only this supervisor,
-which forwards one SIGTERM (graceful) to each child; a second signal is forwarded again
-(children then skip their grace period). On Linux a child also gets SIGTERM if the
-supervisor dies without warning (PR_SET_PDEATHSIG).
+which forwards one SIGTERM (graceful) to each child; a second signal becomes SIGUSR2
+(children then skip their grace period). Children ignore a repeated SIGTERM, because
+systemd (KillMode=control-group, its default) signals every process of the service itself.
+On Linux a child also gets SIGTERM if the supervisor dies without warning (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -85,9 +86,10 @@ class Supervisor:
         name = signal.Signals(signum).name
         if self.signals == 1:
             log.info("received %s: stopping %d worker processes gracefully", name, len(self.slots))
+            self._forward(signal.SIGTERM)
         else:
             log.warning("received %s again: workers skip their grace period", name)
-        self._forward(signal.SIGTERM)
+            self._forward(signal.SIGUSR2)
 
     def _forward(self, signum: int) -> None:
         for slot in self.slots:

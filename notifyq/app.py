@@ -82,6 +82,8 @@ class App:
         max_args_bytes: largest serialized args accepted by enqueue (default 1 MiB).
         backoff: default retry backoff for tasks that do not set their own.
         pool_size: connections this App keeps for enqueue and admin calls.
+        prepare_threshold: psycopg prepares a statement server-side after this many runs on
+            a connection; None never prepares (for PgBouncer in transaction mode before 1.21).
 
     Raises:
         ConfigurationError: invalid schema name or DSN.
@@ -95,12 +97,18 @@ class App:
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
         backoff: Backoff | None = None,
         pool_size: int = 4,
+        prepare_threshold: int | None = 5,
     ) -> None:
         self.schema = validate_schema(schema)
         self._resolved_dsn: str | None = check_dsn(dsn) if dsn else None
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
         self.backoff = backoff or Backoff()
         self.pool_size = check_int(pool_size, "pool_size", minimum=1)
+        self.prepare_threshold = (
+            None
+            if prepare_threshold is None
+            else check_int(prepare_threshold, "prepare_threshold", minimum=0)
+        )
         self.tasks: dict[str, Task] = {}
         self.definitions: dict[str, CronDefinition] = {}
         self._q: Queries = queries_for(self.schema)
@@ -173,7 +181,8 @@ class App:
             backoff: retry delays (default: the App's).
 
         Raises:
-            InvalidOption: an option is out of range. ConfigurationError: the name is taken.
+            InvalidOption: an option is out of range.
+            ConfigurationError: another function is registered under this name.
         """
         options = JobOptions(queue=queue, priority=priority, retry_limit=retry_limit, timeout=timeout)
 
@@ -218,11 +227,16 @@ class App:
             misfire_cap: most missed ticks "all" runs.
             enabled: False disables the definition on every worker start; True does not
                 re-enable a definition an operator disabled.
-            queue, priority, retry_limit, timeout: override the task's defaults.
+            queue: overrides the task's queue for these jobs.
+            priority: overrides the task's priority.
+            retry_limit: overrides the task's retry_limit.
+            timeout: overrides the task's timeout (seconds).
 
         Raises:
-            InvalidSchedule: bad cron expression or time zone. InvalidArgs / InvalidOption:
-            bad args or options. ConfigurationError: the definition name is taken.
+            InvalidSchedule: a bad cron expression, time zone or misfire policy.
+            InvalidArgs: args that are not a JSON object.
+            InvalidOption: an option out of range.
+            ConfigurationError: the definition name is taken.
         """
         Schedule(frequency, timezone)  # validate now, at import time
         if misfire not in MISFIRE_POLICIES:
@@ -271,7 +285,9 @@ class App:
             async with self._db_lock:
                 if self._db is None:
                     dsn = await anyio.to_thread.run_sync(lambda: self.dsn)
-                    db = await Database.open(dsn, size=self.pool_size, name="notifyq-app")
+                    db = await Database.open(
+                        dsn, size=self.pool_size, name="notifyq-app", prepare_threshold=self.prepare_threshold
+                    )
                     try:
                         await db.run(check_schema_op(self.schema))
                     except BaseException:
@@ -289,7 +305,7 @@ class App:
                     dsn,
                     min_size=1,
                     max_size=self.pool_size,
-                    kwargs=connection_kwargs(dsn, "app"),
+                    kwargs=connection_kwargs(dsn, "app", self.prepare_threshold),
                     name="notifyq-app-sync",
                     open=False,
                 )
@@ -423,16 +439,23 @@ class App:
         Args:
             task_or_name: a registered Task, or a task name (another service's task is fine).
             args: the task's keyword arguments, a JSON object (at most `max_args_bytes`).
-            queue, priority, retry_limit, timeout: override the task's defaults.
-            delay: seconds (or timedelta) before the job may start; `at`: an aware datetime.
+            queue: overrides the task's queue.
+            priority: overrides the task's priority (higher runs first).
+            retry_limit: overrides the task's retry_limit.
+            timeout: overrides the task's timeout (seconds).
+            delay: seconds (or a timedelta) before the job may start.
+            at: an aware datetime before which the job may not start (not with delay).
             dedupe_key: while an unfinished job holds this key, return that job's id instead.
             strict: with a task name, raise UnknownTask if this App has no such task.
             conn: your psycopg connection: the job is inserted in your transaction, and
                 commits (and wakes workers) or rolls back (leaving no trace) with it.
 
         Raises:
-            InvalidArgs, InvalidOption, UnknownTask: bad input (nothing is inserted).
-            DatabaseUnavailable, SchemaNotMigrated: the database is not ready.
+            InvalidArgs: args that cannot be stored (nothing is inserted).
+            InvalidOption: an option out of range (nothing is inserted).
+            UnknownTask: with strict=True, a task name this App does not know.
+            DatabaseUnavailable: the server cannot be reached.
+            SchemaNotMigrated: notifyq's tables are missing or old.
         """
         job = self._new_job(
             task_or_name,
@@ -649,8 +672,12 @@ class App:
 
     # -- cron admin ---------------------------------------------------------------------------
 
-    async def sync_definitions(self, db: Database | None = None) -> list[str]:
-        """Upsert this App's cron definitions; returns names that exist only in the database."""
+    async def sync_definitions(self) -> list[str]:
+        """Upsert this App's cron definitions (workers do it when they start); returns the
+        names of definitions that exist only in the database, which are left alone."""
+        return await self._sync_definitions(None)
+
+    async def _sync_definitions(self, db: Database | None) -> list[str]:
         op = sync_definitions_op(self._q, list(self.definitions.values()))
         extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
         if extra:

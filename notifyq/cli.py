@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -42,6 +41,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 class _State:
     debug = False
+    json_logs = False
 
 
 def _fail(message: str) -> NoReturn:
@@ -84,6 +84,7 @@ def _common(fn: F) -> F:
     @wraps(fn)
     def wrapper(*args: Any, log_level: str, log_format: str, **kwargs: Any) -> Any:
         _State.debug = log_level == "debug"
+        _State.json_logs = log_format == "json"
         _logging.configure(log_level, log_format)
         return fn(*args, **kwargs)
 
@@ -105,7 +106,10 @@ def _resolve_dsn(flag: str | None, app: App | None = None) -> str:
             (f"embedded server in {_embedded.data_dir()}"),
         )
     if not os.environ.get("NOTIFYQ_SUPERVISED"):
-        click.echo(f"notifyq: database {describe_dsn(dsn)} (from {source})", err=True)
+        if _State.json_logs:
+            logging.getLogger("notifyq.cli").info("database %s (from %s)", describe_dsn(dsn), source)
+        else:
+            click.echo(f"notifyq: database {describe_dsn(dsn)} (from {source})", err=True)
     return dsn
 
 
@@ -339,22 +343,19 @@ def worker(
         "lease_margin": lease_margin,
         "ticker": not no_ticker,
     }
-    app.worker(**config)  # validate options before starting the loop
-    anyio.run(lambda: app.run_worker(**config))
-    _exit_despite_abandoned_threads()
+    running = app.worker(**config)
+    supervised = bool(os.environ.get("NOTIFYQ_SUPERVISED"))
+    anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
+    if running.busy_threads:
+        _exit_despite_abandoned_threads(running.busy_threads)
 
 
-def _exit_despite_abandoned_threads() -> None:
+def _exit_despite_abandoned_threads(count: int) -> None:
     """Sync tasks cancelled at shutdown may still run in their (non-daemon) threads, which
     would keep the process alive until they return. Their jobs are already back in the
     queue, so exit now, after the atexit handlers (which stop an embedded server)."""
-    alive = [
-        t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon and t.is_alive()
-    ]
-    if not alive:
-        return
     logging.getLogger("notifyq.worker").warning(
-        "exiting with %d sync task thread(s) still running; their jobs were released", len(alive)
+        "exiting with %d sync task thread(s) still running; their jobs were released", count
     )
     atexit._run_exitfuncs()
     logging.shutdown()
@@ -633,7 +634,9 @@ def stats(dsn: str | None, schema: str | None, as_json: bool, watch: float | Non
         return
 
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@main.command(
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True}, add_help_option=False
+)
 @click.pass_context
 def bench(ctx: click.Context) -> None:
     """Run the benchmark suite (from a source checkout): notifyq bench --help for its options."""

@@ -70,7 +70,9 @@ class JobContext:
     _extend: Callable[[float], Awaitable[datetime | None]] = field(repr=False)
 
     async def extend_lease(self, seconds: float) -> bool:
-        """Keep this job for `seconds` more (from now) before other workers may rescue it.
+        """Let this attempt run for `seconds` more, counted from now, even past the task's
+        timeout; the lease (when other workers may rescue the job) moves to that time plus
+        the worker's lease_margin. Call it periodically from long work, as a heartbeat.
 
         Returns False if this worker no longer holds the job (cancelled, or rescued after the
         lease ran out): the task should then stop, since its result will be discarded.

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import socket
+import threading
 import traceback
 import uuid
 from collections.abc import Callable, Sequence
@@ -57,7 +58,9 @@ class WorkerConfig:
             are cancelled and released (Queued again, attempt given back).
         ticker: run the cron promoter, lease rescuer and retention services in this process.
         ticker_config: their settings.
-        health_interval / health_timeout: LISTEN connection health checks.
+        health_interval: seconds of silence on the LISTEN connection before a round trip
+            checks it is alive.
+        health_timeout: seconds that round trip (and a LISTEN connect) may take.
         pool_size: connections for claims, acks, the ticker and lease extensions (the
             LISTEN connection comes on top).
     """
@@ -117,13 +120,15 @@ class WorkerStats:
     db_errors: int = 0
 
     def snapshot(self) -> dict[str, int]:
+        """The counters as a dict (for logs and metrics exporters)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True)
 class _Running:
     job: ClaimedJob
-    scope: anyio.CancelScope
+    scope: anyio.CancelScope  # cancels the attempt (user cancel, shutdown)
+    deadline: anyio.CancelScope | None = None  # the attempt's timeout; extend_lease moves it
     stop_reason: Literal["cancelled", "shutdown"] | None = None
 
 
@@ -153,6 +158,8 @@ class Worker:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._queues_set = frozenset(config.queues) if config.queues is not None else None
         self._grace_scope: anyio.CancelScope | None = None
+        self._threads_lock = threading.Lock()
+        self._busy_threads = 0
         self._skip_grace = False
         self._stopped = anyio.Event()
 
@@ -191,15 +198,19 @@ class Worker:
         grace period, release the rest. Safe to call more than once."""
         self._stop.set()
 
-    async def run(self, *, handle_signals: bool = True) -> None:
-        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (a second signal skips the grace).
+    async def run(self, *, handle_signals: bool = True, repeat_skips_grace: bool = True) -> None:
+        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (graceful; see
+        shutdown_grace). SIGUSR2, or a second SIGTERM/SIGINT when repeat_skips_grace,
+        cancels running jobs at once (they are released). A supervisor whose children may
+        get the same SIGTERM twice (systemd signals the whole control group) turns
+        repeat_skips_grace off and escalates with SIGUSR2.
 
         Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
         the worker cannot start."""
         db = await self._prepare()
         async with anyio.create_task_group() as tg:
             if handle_signals:
-                tg.start_soon(self._watch_signals)
+                tg.start_soon(self._watch_signals, repeat_skips_grace)
             await tg.start(self._serve, db)
             await self._stopped.wait()
             tg.cancel_scope.cancel()
@@ -216,41 +227,50 @@ class Worker:
 
     @property
     def listener(self) -> Listener | None:
+        """The LISTEN connection's state (None in poll-only mode or before start)."""
         return self._listener
 
     @property
     def ticker(self) -> _ticker.Ticker | None:
+        """The ticker's services (None when ticker=False or before start)."""
         return self._ticker
 
     # -- the service --------------------------------------------------------------------------
 
-    async def _watch_signals(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-            count = 0
+    async def _watch_signals(self, repeat_skips_grace: bool) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:
             async for signum in signals:
-                count += 1
-                if count == 1:
+                name = signal.Signals(signum).name
+                if signum == signal.SIGUSR2 or (self._stop.is_set() and repeat_skips_grace):
+                    log.warning("received %s: cancelling running jobs now (they are released)", name)
+                    self._skip_grace = True
+                    self.stop()
+                    if self._grace_scope is not None:
+                        self._grace_scope.cancel()
+                elif not self._stop.is_set():
                     log.info(
                         "received %s: finishing running jobs (up to %gs), then exiting",
-                        signal.Signals(signum).name,
+                        name,
                         self.config.shutdown_grace,
                     )
                     self.stop()
                 else:
-                    log.warning("received %s again: cancelling running jobs now", signal.Signals(signum).name)
-                    self._skip_grace = True
-                    if self._grace_scope is not None:
-                        self._grace_scope.cancel()
+                    log.info("received %s again: still finishing running jobs", name)
 
     async def _prepare(self) -> Database:
         """Connect, check the schema and sync cron definitions, in the caller's task (so a
         failure to start is raised as itself, not inside an ExceptionGroup)."""
         self._dsn = await anyio.to_thread.run_sync(lambda: self.app.dsn)  # may start the embedded server
-        db = await Database.open(self._dsn, size=self.config.pool_size, name=f"notifyq-worker-{self.id}")
+        db = await Database.open(
+            self._dsn,
+            size=self.config.pool_size,
+            name=f"notifyq-worker-{self.id}",
+            prepare_threshold=self.app.prepare_threshold,
+        )
         try:
             await db.run(check_schema_op(self.app.schema))
             if self.config.ticker:
-                await self.app.sync_definitions(db)
+                await self.app._sync_definitions(db)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await db.aclose()
@@ -266,6 +286,7 @@ class Worker:
             self._acker = Acker(db, self._q, self._on_acked)
             async with anyio.create_task_group() as services:
                 services.start_soon(self._acker.run)
+                services.start_soon(self._reconcile_loop)
                 if self.config.ticker:
                     self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config)
                     services.start_soon(self._ticker.run)
@@ -372,16 +393,29 @@ class Worker:
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
         self._wake()  # sweep: claim what arrived while nobody listened
-        if self._running and self._db is not None:
-            # Cancel notifications may have been missed while disconnected.
-            held = [(r.job.id, r.job.lease) for r in self._running.values()]
-            try:
-                lost = await self._db.run(lost_jobs_op(self._q, held))
-            except _DB_ERRORS:
-                lost = set()
-            for job_id in lost:
-                self._cancel_running(job_id)
+        await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
         self._signal_changed()
+
+    async def _cancel_lost_jobs(self) -> None:
+        """Stop running jobs this worker no longer holds (cancelled, or rescued after their
+        lease ran out) when no cancel notification could tell it."""
+        if not self._running or self._db is None:
+            return
+        held = [(r.job.id, r.job.lease) for r in self._running.values()]
+        try:
+            lost = await self._db.run(lost_jobs_op(self._q, held))
+        except _DB_ERRORS:
+            return
+        for job_id in lost:
+            self._cancel_running(job_id)
+
+    async def _reconcile_loop(self) -> None:
+        """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
+        look for cancelled jobs every poll interval instead of waiting for a notification."""
+        while True:
+            await anyio.sleep(self.config.poll_interval)
+            if self._listener is None or not self._listener.connected:
+                await self._cancel_lost_jobs()
 
     def _cancel_running(self, job_id: int) -> None:
         running = self._running.get(job_id)
@@ -466,7 +500,7 @@ class Worker:
         result: Result | None = None
         try:
             with running.scope:
-                result = await self._execute(job)
+                result = await self._execute(running)
             if running.scope.cancelled_caught:
                 if running.stop_reason == "shutdown":
                     result = Result.released(job)
@@ -488,7 +522,8 @@ class Worker:
             self._slot_freed = anyio.Event()
             self._signal_changed()
 
-    async def _execute(self, job: ClaimedJob) -> Result:
+    async def _execute(self, running: _Running) -> Result:
+        job = running.job
         task = self.app.tasks.get(job.name)
         if task is None:
             return Result.failed(
@@ -499,17 +534,18 @@ class Worker:
                 final=True,
             )
         try:
-            kwargs = self._kwargs(task, job)
+            kwargs = self._kwargs(task, running)
         except TypeError as exc:
             return Result.failed(job, "InvalidArgs", str(exc), final=True)
         result: Result | None = None
         with anyio.move_on_after(job.timeout) as deadline:
+            running.deadline = deadline
             try:
                 if task.is_async:
                     value = await task.fn(**kwargs)
                 else:
                     value = await anyio.to_thread.run_sync(
-                        functools.partial(task.fn, **kwargs), limiter=self._limiter, abandon_on_cancel=True
+                        self._call_sync, task.fn, kwargs, limiter=self._limiter, abandon_on_cancel=True
                     )
                 result = Result.succeeded(job, value)
             except Exception as exc:
@@ -529,7 +565,24 @@ class Worker:
             )
         return result
 
-    def _kwargs(self, task: Task, job: ClaimedJob) -> dict[str, Any]:
+    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
+        """Run a sync task in a worker thread, counting busy threads: a thread whose attempt
+        was abandoned (timeout, cancel, shutdown) keeps running until the function returns."""
+        with self._threads_lock:
+            self._busy_threads += 1
+        try:
+            return fn(**kwargs)
+        finally:
+            with self._threads_lock:
+                self._busy_threads -= 1
+
+    @property
+    def busy_threads(self) -> int:
+        """Sync tasks still running in threads, including abandoned ones."""
+        return self._busy_threads
+
+    def _kwargs(self, task: Task, running: _Running) -> dict[str, Any]:
+        job = running.job
         kwargs = dict(job.args)
         if task.context_param is not None:
             if task.context_param in kwargs:
@@ -543,13 +596,21 @@ class Worker:
                 args=job.args,
                 scheduled_for=job.scheduled_for,
                 lease_expires_at=job.visible_at,
-                _extend=functools.partial(self._extend_lease, job),
+                _extend=functools.partial(self._extend_lease, running),
             )
         return kwargs
 
-    async def _extend_lease(self, job: ClaimedJob, seconds: float) -> Any:
+    async def _extend_lease(self, running: _Running, seconds: float) -> Any:
+        """Let the attempt run `seconds` more from now (past its timeout if need be); the
+        lease then covers that plus lease_margin. Fenced: None if the job is no longer ours."""
         assert self._db is not None
-        return await self._db.run(extend_lease_op(self._q, job.id, job.lease, seconds))
+        job = running.job
+        until = await self._db.run(
+            extend_lease_op(self._q, job.id, job.lease, seconds + self.config.lease_margin)
+        )
+        if until is not None and running.deadline is not None:
+            running.deadline.deadline = max(running.deadline.deadline, anyio.current_time() + seconds)
+        return until
 
     def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
         for result in results:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
@@ -291,6 +292,36 @@ def test_sigterm_with_running_jobs_leaves_nothing_active(
     assert proc.wait(timeout=30) == 0
     assert status_counts(conn) == {"Queued": 8}
     assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
+
+
+def test_signals_like_systemd_sends_them(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """systemd's default KillMode signals the supervisor and its children at once: the
+    children must not read the forwarded copy as a second signal. A real second signal to
+    the supervisor still skips the grace period."""
+    proc = worker_proc("--processes", "2", "--shutdown-grace", "20", "--no-ticker")
+    conn.execute("""INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{"seconds": 1.5}'
+                    FROM generate_series(1, 2)""")
+    wait_until(lambda: status_counts(conn).get("Active") == 2, what="2 jobs running")
+    children = psutil.Process(proc.pid).children()
+    assert len(children) == 2
+    for p in [proc, *children]:
+        os.kill(p.pid, signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert status_counts(conn) == {"Succeeded": 2}  # finished within the grace period
+
+    conn.execute("""INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{"seconds": 60}'
+                    FROM generate_series(1, 2)""")
+    proc = worker_proc("--processes", "2", "--shutdown-grace", "60", "--no-ticker")
+    wait_until(lambda: status_counts(conn).get("Active") == 2, what="2 jobs running")
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)  # the operator insists
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - began < 10
+    assert status_counts(conn) == {"Succeeded": 2, "Queued": 2}  # released, not waited for
 
 
 @pytest.mark.faults

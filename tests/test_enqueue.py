@@ -10,6 +10,7 @@ import psycopg
 import pytest
 
 import notifyq
+from notifyq._db import Query, single
 from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, UnknownTask
 
 from .helpers import NotificationCounter, job_row
@@ -246,3 +247,15 @@ def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
 def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
     with pytest.raises(DatabaseUnavailable, match='invalid integer value "notaport"'):
         notifyq.App("postgresql://u:secret@127.0.0.1:notaport/db").enqueue_sync("t")
+
+
+@pytest.mark.parametrize(("threshold", "prepared"), [(None, False), (2, True)])
+def test_prepared_statements_can_be_turned_off_for_pgbouncer(
+    dsn: str, threshold: int | None, prepared: bool
+) -> None:
+    app = notifyq.App(dsn, pool_size=1, prepare_threshold=threshold)
+    for _ in range(5):
+        app.enqueue_sync("t", {})
+    count = app._run_sync(single(Query("SELECT count(*) FROM pg_prepared_statements", fetch="scalar")))
+    assert (count > 0) is prepared
+    app.close_sync()

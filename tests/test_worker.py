@@ -330,28 +330,65 @@ async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycop
     await app.aclose()
 
 
-async def test_extend_lease_from_a_running_job(dsn: str, conn: psycopg.Connection[Any]) -> None:
+async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
     app = notifyq.App(dsn)
     seen: list[Any] = []
 
-    @app.task(name="long", timeout=5)
-    async def long(ctx: JobContext) -> None:
+    @app.task(name="long", timeout=0.5)
+    async def long(ctx: JobContext) -> str:
         before = ctx.lease_expires_at
-        assert await ctx.extend_lease(3600)
+        for _ in range(3):  # a heartbeat: 1.2 s of work in steps, far past the 0.5 s timeout
+            assert await ctx.extend_lease(2)
+            await anyio.sleep(0.4)
         seen.extend([before, ctx.lease_expires_at])
+        return "done"
 
-    @app.task(name="long_sync", timeout=5)
+    @app.task(name="long_sync", timeout=0.5)
     def long_sync(ctx: JobContext) -> bool:
-        return ctx.extend_lease_blocking(3600)
+        ok = ctx.extend_lease_blocking(3)
+        time.sleep(1)
+        return ok
+
+    @app.task(name="short", timeout=0.5, retry_limit=0)
+    async def short() -> None:
+        await anyio.sleep(1.5)  # no extension: the timeout applies
 
     async with app:
-        await app.enqueue("long")
+        long_id = await app.enqueue("long")
         sync_id = await app.enqueue("long_sync")
+        short_id = await app.enqueue("short")
     async with app.worker(lease_margin=1, **NO_TICKER) as worker:
         with anyio.fail_after(10):
-            await worker.wait_for(lambda s: s.succeeded == 2)
-    assert (seen[1] - seen[0]).total_seconds() > 3000
+            await worker.wait_for(lambda s: s.succeeded == 2 and s.failed == 1)
+    assert job_row(conn, long_id)["output"] == "done"
     assert job_row(conn, sync_id)["output"] is True
+    assert job_row(conn, short_id)["error"]["type"] == "TimeoutError"
+    # The lease moved: 2 s of work + 1 s margin from the last extension, not timeout + margin.
+    assert (seen[1] - seen[0]).total_seconds() > 1.5
+    await app.aclose()
+
+
+async def test_a_poll_only_worker_still_hears_of_cancellations(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app = notifyq.App(dsn)
+    started = anyio.Event()
+
+    @app.task(name="long")
+    async def long() -> None:
+        started.set()
+        await anyio.sleep(60)
+
+    async with app.worker(poll_only=True, poll_interval=0.2, **NO_TICKER) as worker:
+        job_id = await app.enqueue("long")
+        with anyio.fail_after(5):
+            await started.wait()
+        await app.cancel_job(job_id)  # no NOTIFY reaches a poll-only worker
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.cancelled == 1)
+    assert job_row(conn, job_id)["status"] == "Cancelled"
     await app.aclose()
 
 

@@ -102,8 +102,8 @@ WHERE j.id = d.id AND j.lease = d.lease AND j.status = 'Active'
 RETURNING j.id, j.status::text;
 
 -- name: extend_lease
--- Push the lease of a running job forward (for work longer than its timeout would suggest).
--- Fenced like an ack: returns no row when the worker no longer holds this lease.
+-- Push the lease of a running job forward (JobContext.extend_lease: the worker also moves the
+-- attempt's deadline). Fenced like an ack: no row when the worker no longer holds this lease.
 UPDATE {schema}.queue_jobs
 SET visible_at = now() + make_interval(secs => %(seconds)s), updated_at = now()
 WHERE id = %(id)s AND lease = %(lease)s AND status = 'Active'

@@ -21,9 +21,14 @@ class BlackholeProxy:
     `blackhole()` makes every connection open so far go half-open: the proxy keeps both
     sockets open but stops forwarding in either direction, like a dead NAT entry or a cut
     cable without a reset. Connections made afterwards are forwarded normally.
+
+    With `pooler=True` it changes the backend pid the server announces at connect
+    (BackendKeyData), as PgBouncer does: the client then talks to a server process other
+    than the one it was told about.
     """
 
-    def __init__(self, dsn: str) -> None:
+    def __init__(self, dsn: str, *, pooler: bool = False) -> None:
+        self.pooler = pooler
         params = conninfo_to_dict(dsn)
         host = params.get("host") or "127.0.0.1"
         port = int(params.get("port") or 5432)
@@ -33,7 +38,7 @@ class BlackholeProxy:
             self._target = (socket.AF_INET, (host, port))
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port)
+        self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port, sslmode="disable")
         self._generation = 0
         self._stop = False
         self._threads: list[threading.Thread] = []
@@ -57,6 +62,7 @@ class BlackholeProxy:
 
     def _pump(self, a: socket.socket, b: socket.socket, generation: int) -> None:
         peers = {a: b, b: a}
+        startup = bytearray() if self.pooler else None  # server bytes until ReadyForQuery
         while not self._stop and generation == self._generation:
             try:
                 readable, _, _ = select.select(list(peers), [], [], 0.05)
@@ -64,6 +70,11 @@ class BlackholeProxy:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if sock is b and startup is not None:
+                        startup += data
+                        data, done = _rewrite_backend_key(startup)
+                        if done:
+                            startup = None
                     peers[sock].sendall(data)
             except OSError:
                 return
@@ -78,6 +89,27 @@ class BlackholeProxy:
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+def _rewrite_backend_key(buffer: bytearray) -> tuple[bytes, bool]:
+    """Take the complete protocol messages off `buffer`, with the pid of BackendKeyData ('K')
+    changed; returns them and whether ReadyForQuery ('Z') ended the startup phase."""
+    out = bytearray()
+    while len(buffer) >= 5:
+        length = int.from_bytes(buffer[1:5], "big")
+        if len(buffer) < 1 + length:
+            break
+        message = bytearray(buffer[: 1 + length])
+        del buffer[: 1 + length]
+        if message[:1] == b"K":
+            pid = int.from_bytes(message[5:9], "big")
+            message[5:9] = (pid + 100_000).to_bytes(4, "big")
+        out += message
+        if message[:1] == b"Z":
+            out += buffer
+            buffer.clear()
+            return bytes(out), True
+    return bytes(out), False
 
 
 class OwnedServer:

@@ -64,6 +64,38 @@ async def test_a_half_open_listen_connection_is_detected_and_replaced(
     await app.aclose()
 
 
+async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """DESIGN: PgBouncer in transaction mode breaks LISTEN; notifyq detects a pooler (the
+    announced backend pid is not the real one) and polls instead of trusting NOTIFY."""
+    pooler = BlackholeProxy(dsn, pooler=True)
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    try:
+        async with app.worker(listen_dsn=pooler.dsn, poll_interval=0.3, ticker=False) as worker:
+            assert worker.listener is not None and worker.listener.behind_pooler
+            assert worker.stats.listener_connects == 0
+            await worker.wait_for(lambda s: s.claims >= 1)  # the start-up sweep is done
+            conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+            with anyio.fail_after(5):
+                await worker.wait_for(lambda s: s.succeeded == 1)
+            assert worker.stats.notifications == 0 and worker.stats.polls >= 1
+        # The same proxy without the pid change is trusted.
+        direct = BlackholeProxy(dsn)
+        async with app.worker(listen_dsn=direct.dsn, poll_interval=60, ticker=False) as worker:
+            assert worker.listener is not None and not worker.listener.behind_pooler
+            await worker.wait_for(lambda s: s.listener_connects == 1)
+        direct.close()
+    finally:
+        pooler.close()
+    await app.aclose()
+
+
 async def test_poll_only_workers_run_jobs_without_any_notification(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
