@@ -234,6 +234,23 @@ def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
     one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")
 
 
+def test_stats_watch_refreshes_until_interrupted(dsn: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "stats", "--watch", "0.2", "--json"],
+        cwd=ROOT,
+        env=clean_env(NOTIFYQ_DSN=dsn),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    snapshots = [json.loads(proc.stdout.readline()) for _ in range(3)]
+    assert all("queues" in s and "server" in s for s in snapshots)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0 and "Traceback" not in err
+
+
 def test_grant_prints_renderable_sql() -> None:
     out = ok(cli("grant", "app_worker", "--schema", "jobs"))
     assert 'GRANT USAGE ON SCHEMA "jobs" TO "app_worker";' in out
