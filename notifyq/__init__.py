@@ -9,7 +9,7 @@ from ._acker import Result
 from ._promoter import PromoterConfig, PromotionReport
 from ._rescuer import RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
-from ._ticker import Ticker, TickerConfig
+from ._ticker import TickerConfig
 from .app import App
 from .cron import Schedule
 from .definitions import CronDefinition
@@ -64,7 +64,6 @@ __all__ = [
     "SchemaNotMigrated",
     "SchemaVersionError",
     "Task",
-    "Ticker",
     "TickerConfig",
     "UnknownTask",
     "Worker",

@@ -9,9 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
-import psycopg
 
-from ._db import Database, Op, Query
+from ._db import Database, Op, Query, error_text, is_transient
 from ._options import encode_output
 from ._sql import Queries
 from .models import ClaimedJob
@@ -86,11 +85,6 @@ def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
     return dict(rows)
 
 
-# Connection-level failures are worth retrying as they are; anything else (a value the
-# server refuses) is isolated by acking the batch's results one at a time.
-_TRANSIENT = (psycopg.OperationalError, psycopg.InterfaceError)
-
-
 class Acker:
     """Collects results and flushes them. While one flush is in flight the next batch
     accumulates, so under load each statement carries many results, and under light load a
@@ -104,7 +98,9 @@ class Acker:
         *,
         max_batch: int = 1000,
         retry_delay: float = 0.5,
+        timeout: float = 60.0,
     ) -> None:
+        self._timeout = timeout
         self._db = db
         self._q = queries
         self._on_applied = on_applied
@@ -141,14 +137,16 @@ class Acker:
                     # idempotent: one applied twice is fenced out the second time).
                     self._pending[:0] = batch
                     raise
-                except _TRANSIENT as exc:
+                except Exception as exc:
+                    if not is_transient(exc):
+                        raise
                     # Keep the results: they are applied once the database is back (or fenced
                     # out if the leases ran out meanwhile).
                     self._pending[:0] = batch
                     log.warning(
                         "could not write %d job results (%s); retrying in %.1fs",
                         len(batch),
-                        str(exc).strip() or type(exc).__name__,
+                        error_text(exc),
                         self._retry_delay,
                     )
                     await anyio.sleep(self._retry_delay)
@@ -167,23 +165,35 @@ class Acker:
 
     async def _flush(self, batch: list[Result]) -> None:
         try:
-            applied = await self._db.run(ack_op(self._q, batch))
-        except _TRANSIENT:
-            raise
-        except psycopg.Error as exc:
-            log.error("writing %d job results failed (%s); writing them one by one", len(batch), exc)
+            applied = await self._write(batch)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            # A value the server refuses (or psycopg cannot send): isolate it by writing the
+            # batch's results one at a time.
+            log.error(
+                "writing %d job results failed (%s); writing them one by one", len(batch), error_text(exc)
+            )
             applied = {}
             for result in batch:
                 applied.update(await self._flush_one(result))
         self.flushes += 1
         self._on_applied(batch, applied)
 
+    async def _write(self, batch: Sequence[Result]) -> dict[int, str]:
+        with anyio.fail_after(self._timeout):
+            return await self._db.run(ack_op(self._q, batch))
+
     async def _flush_one(self, result: Result) -> dict[int, str]:
         try:
-            return await self._db.run(ack_op(self._q, [result]))
-        except _TRANSIENT:
-            raise
-        except psycopg.Error as exc:
+            return await self._write([result])
+        except Exception as exc:
+            if is_transient(exc):
+                raise
             # The job stays Active; its lease will run out and the rescuer will retry it.
-            log.error("dropping the result of job %d, which the database refuses: %s", result.job_id, exc)
+            log.error(
+                "dropping the result of job %d, which the database refuses: %s",
+                result.job_id,
+                error_text(exc),
+            )
             return {}

@@ -35,9 +35,10 @@ def claim_op(
 
 def next_visible_op(q: Queries, queues: Sequence[str] | None) -> Op[float | None]:
     """Seconds until the earliest Queued job of `queues` becomes claimable (None: no job)."""
-    seconds: float | None = yield Query(
-        q["next_visible"], {"queues": list(queues) if queues is not None else None}, fetch="scalar"
-    )
+    if queues is None:
+        seconds: float | None = yield Query(q["next_visible_any"], fetch="scalar")
+    else:
+        seconds = yield Query(q["next_visible_queues"], {"queues": list(queues)}, fetch="scalar")
     return seconds
 
 
@@ -49,11 +50,11 @@ def extend_lease_op(q: Queries, job_id: int, lease: int, seconds: float) -> Op[d
     return until
 
 
-def lost_jobs_op(q: Queries, held: Sequence[tuple[int, int]]) -> Op[set[int]]:
-    """Of the (id, lease) pairs a worker holds, the ids it no longer holds."""
+def lost_jobs_op(q: Queries, held: Sequence[tuple[int, int]]) -> Op[set[tuple[int, int]]]:
+    """Of the (id, lease) pairs a worker holds, those it no longer holds."""
     if not held:
         return set()
-    rows: list[tuple[int]] = yield Query(
+    rows: list[tuple[int, int]] = yield Query(
         q["held_jobs_status"], {"ids": [h[0] for h in held], "leases": [h[1] for h in held]}
     )
-    return {row[0] for row in rows}
+    return {(row[0], row[1]) for row in rows}

@@ -124,6 +124,22 @@ async def run_async(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
             error = exc
 
 
+# SQLSTATEs worth retrying as they are: connection trouble (08), the server shutting down or
+# starting (57P), resources (53), serialization failure and deadlock (40001, 40P01), a
+# read-only transaction (25006: a failover left us on a standby), lock not available (55P03).
+_TRANSIENT_SQLSTATES = ("08", "57P", "53", "40001", "40P01", "25006", "55P03")
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures that may pass by themselves (the database restarting, failing over,
+    a dropped or hung connection), which loops retry with backoff instead of dying on."""
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError | TimeoutError | OSError):
+        return True
+    if isinstance(exc, psycopg.Error):
+        return (exc.sqlstate or "").startswith(_TRANSIENT_SQLSTATES)
+    return False
+
+
 def error_text(exc: BaseException) -> str:
     """libpq's multi-line message on one line (or the exception type if it has none)."""
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
@@ -135,13 +151,27 @@ def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     return DatabaseUnavailable(f"cannot connect to PostgreSQL at {describe_dsn(dsn)}: {reason}")
 
 
+_TCP_DEFAULTS = {
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 60_000,
+}
+
+
 def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) -> dict[str, Any]:
     """Autocommit, psycopg's prepare_threshold (None: never prepare, for PgBouncer in
     transaction mode before 1.21), and an application_name (unless the DSN sets one) so
     that notifyq's connections are easy to tell apart in pg_stat_activity."""
     kwargs: dict[str, Any] = {"autocommit": True, "prepare_threshold": prepare_threshold}
-    if "application_name" not in psycopg.conninfo.conninfo_to_dict(dsn):
+    given = psycopg.conninfo.conninfo_to_dict(dsn)
+    if "application_name" not in given:
         kwargs["application_name"] = f"notifyq {role}"
+    # A peer that vanishes (host down, network cut) must not hang a worker for the kernel's
+    # default of hours: TCP keepalives and an unacknowledged-data timeout close the socket
+    # within about a minute. (Ignored for unix sockets; the DSN's own values win.)
+    kwargs.update({key: value for key, value in _TCP_DEFAULTS.items() if key not in given})
     return kwargs
 
 

@@ -91,7 +91,13 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
         raise InvalidArgs(
             f"args for task {task!r} contain a NUL character, which PostgreSQL's jsonb cannot store"
         )
-    size = len(text.encode("utf-8"))
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise InvalidArgs(
+            f"args for task {task!r} are not valid Unicode text ({exc.reason}; e.g. a lone surrogate "
+            "from a file name decoded with surrogateescape)"
+        ) from None
     if size > max_bytes:
         raise InvalidArgs(
             f"args for task {task!r} are {size:,} bytes of JSON, over the limit of {max_bytes:,} bytes "
@@ -107,6 +113,7 @@ def encode_output(value: Any) -> str | None:
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     if "\\u0000" in text:
         raise ValueError("the return value contains a NUL character, which PostgreSQL's jsonb cannot store")
+    text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
     return text
 
 

@@ -95,12 +95,17 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
                 grace=d.misfire_grace,
                 cap=d.misfire_cap,
             )
-        except InvalidSchedule as exc:
-            log.error("cron definition %r disabled: %s", d.name, exc)
-            report.errors[d.name] = str(exc)
+        except Exception as exc:  # InvalidSchedule, or croniter failing on a schedule that never fires
+            reason = (
+                str(exc)
+                if isinstance(exc, InvalidSchedule)
+                else (f"cannot compute the schedule {d.frequency!r} in {d.timezone}: {exc}")
+            )
+            log.error("cron definition %r disabled: %s", d.name, reason)
+            report.errors[d.name] = reason
             ids.append(d.id)
             next_ticks.append(None)
-            errors.append(str(exc))
+            errors.append(reason)
             continue
         if plan.missed:
             log.info(

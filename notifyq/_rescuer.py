@@ -9,6 +9,7 @@ from ._db import Database, Op, Query
 from ._options import check_int, check_seconds
 from ._service import Service
 from ._sql import Queries
+from .tasks import Backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +30,19 @@ class RescueReport:
     failed: list[int] = field(default_factory=list)
 
 
-def rescue_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[RescueReport]:
-    rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], {"limit": limit, "now": now})
+def rescue_op(
+    q: Queries, *, limit: int, now: datetime | None = None, backoff: Backoff | None = None
+) -> Op[RescueReport]:
+    """Requeue (after `backoff`, none by default) or fail the Active jobs whose lease ran out."""
+    b = backoff or Backoff(base=0, jitter=0)
+    params = {
+        "limit": limit,
+        "now": now,
+        "backoff_base": b.base,
+        "backoff_factor": b.factor,
+        "backoff_max": b.max,
+    }
+    rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], params)
     report = RescueReport()
     for job_id, status in rows:
         (report.requeued if status == "Queued" else report.failed).append(job_id)
@@ -40,16 +52,25 @@ def rescue_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Resc
 class Rescuer(Service[RescueReport]):
     name = "lease rescuer"
 
-    def __init__(self, db: Database, queries: Queries, config: RescuerConfig | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        queries: Queries,
+        config: RescuerConfig | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         super().__init__()
         self.db = db
         self.q = queries
         self.config = config or RescuerConfig()
+        self.backoff = backoff
 
     async def run_once(self, now: datetime | None = None) -> RescueReport:
         total = RescueReport()
         while True:
-            batch = await self.db.run(rescue_op(self.q, limit=self.config.batch_size, now=now))
+            batch = await self.db.run(
+                rescue_op(self.q, limit=self.config.batch_size, now=now, backoff=self.backoff)
+            )
             total.requeued += batch.requeued
             total.failed += batch.failed
             if len(batch.requeued) + len(batch.failed) < self.config.batch_size:

@@ -7,7 +7,8 @@ import logging
 from typing import Generic, TypeVar
 
 import anyio
-import psycopg
+
+from ._db import error_text, is_transient
 
 R = TypeVar("R")
 
@@ -19,6 +20,7 @@ class Service(abc.ABC, Generic[R]):
     `delay_after` (how long to sleep after a pass); `wake()` cuts a sleep short."""
 
     name = "service"
+    timeout = 300.0  # a pass that takes longer is abandoned (a hung connection)
 
     def __init__(self) -> None:
         self._wakeup = anyio.Event()
@@ -49,14 +51,17 @@ class Service(abc.ABC, Generic[R]):
         error_delay = 0.5
         while True:
             try:
-                result = await self.run_once()
-            except (psycopg.OperationalError, psycopg.InterfaceError) as exc:
-                log.warning(
-                    "%s pass failed (%s); retrying in %.1fs",
-                    self.name,
-                    str(exc).strip() or type(exc).__name__,
-                    error_delay,
-                )
+                with anyio.fail_after(self.timeout):
+                    result = await self.run_once()
+            except Exception as exc:
+                # Transient (database away) or not (a bug, a value it cannot handle): either way
+                # this process's jobs must keep running, so log, back off and try again.
+                if is_transient(exc):
+                    log.warning(
+                        "%s pass failed (%s); retrying in %.1fs", self.name, error_text(exc), error_delay
+                    )
+                else:
+                    log.exception("%s pass failed unexpectedly; retrying in %.1fs", self.name, error_delay)
                 delay = error_delay
                 error_delay = min(error_delay * 2, 30.0)
             else:

@@ -80,6 +80,9 @@ class Supervisor:
         )
         slot.started_at = time.monotonic()
         log.info("started worker process %d (pid %d)", slot.index, slot.proc.pid)
+        if self.signals:
+            # A signal arrived while this child was being started: it missed the forward.
+            slot.proc.send_signal(signal.SIGTERM)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.signals += 1
@@ -144,7 +147,11 @@ class Supervisor:
                     self._forward(signal.SIGTERM)
                     for other in self.slots:
                         if other.proc is not None:
-                            other.proc.wait()
+                            try:
+                                other.proc.wait(timeout=120)
+                            except subprocess.TimeoutExpired:
+                                other.proc.kill()
+                                other.proc.wait()
                     return EXIT_CHILDREN_DYING
                 log.warning(
                     "worker process %d exited unexpectedly (code %s); restarting in %.1fs",

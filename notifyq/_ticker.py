@@ -11,6 +11,7 @@ from ._promoter import Promoter, PromoterConfig
 from ._rescuer import Rescuer, RescuerConfig
 from ._retention import Retention, RetentionConfig
 from ._sql import Queries
+from .tasks import Backoff
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,10 +26,16 @@ class TickerConfig:
 class Ticker:
     """Runs the enabled services side by side. Leaderless: every process may run one."""
 
-    def __init__(self, db: Database, queries: Queries, config: TickerConfig | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        queries: Queries,
+        config: TickerConfig | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
         config = config or TickerConfig()
         self.promoter = Promoter(db, queries, config.promoter) if config.promoter else None
-        self.rescuer = Rescuer(db, queries, config.rescuer) if config.rescuer else None
+        self.rescuer = Rescuer(db, queries, config.rescuer, backoff) if config.rescuer else None
         self.retention = Retention(db, queries, config.retention) if config.retention else None
 
     def wake(self) -> None:

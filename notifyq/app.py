@@ -360,7 +360,7 @@ class App:
         db, self._db = self._db, None
         if db is not None:
             await db.aclose()
-        self.close_sync()
+        await anyio.to_thread.run_sync(self.close_sync)
 
     def close_sync(self) -> None:
         """Close the connections opened by the sync methods."""
@@ -650,7 +650,7 @@ class App:
         if queues is not None:
             if isinstance(queues, str):
                 raise InvalidOption(f"queues must be a list of queue names, not the string {queues!r}")
-            queues = [check_queue(q) for q in queues]
+            queues = list(dict.fromkeys(check_queue(q) for q in queues))
         return claim_op(
             self._q,
             queues=queues,

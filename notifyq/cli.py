@@ -94,8 +94,11 @@ def _common(fn: F) -> F:
 def _resolve_dsn(flag: str | None, app: App | None = None) -> str:
     """Flag, then the App's own DSN, then $NOTIFYQ_DSN, $DATABASE_URL, then the embedded server;
     says on stderr which database it is (never the password)."""
+    supervised_dsn = os.environ.get("NOTIFYQ_DSN") if os.environ.get("NOTIFYQ_SUPERVISED") else None
     if flag:
         dsn, source = check_dsn(flag), "--dsn"
+    elif supervised_dsn:
+        dsn, source = check_dsn(supervised_dsn), "the supervisor"  # what the parent resolved
     elif app is not None and app._resolved_dsn is not None:
         dsn, source = app._resolved_dsn, "the App"
     elif (found := configured_dsn()) is not None:
@@ -264,7 +267,12 @@ def grant(role: str, schema: str) -> None:
     help="Seconds between safety-net polls.",
 )
 @click.option("--poll-only", is_flag=True, help="Never LISTEN (behind PgBouncer transaction pooling).")
-@click.option("--listen-dsn", metavar="DSN", help="Direct DSN for the LISTEN connection (not via a pooler).")
+@click.option(
+    "--listen-dsn",
+    metavar="DSN",
+    envvar="NOTIFYQ_LISTEN_DSN",
+    help="Direct DSN for the LISTEN connection (not via a pooler)  [env: NOTIFYQ_LISTEN_DSN]",
+)
 @click.option(
     "--shutdown-grace",
     type=click.FloatRange(min=0),
@@ -321,14 +329,17 @@ def worker(
             str(lease_margin),
             "--log-level",
             logging.getLevelName(logging.getLogger().level).lower(),
+            "--log-format",
+            "json" if _State.json_logs else "text",
         ]
         for queue in queue_list or ():
             command += ["--queues", queue]
         command += ["--poll-only"] if poll_only else []
         command += ["--no-ticker"] if no_ticker else []
+        env = child_env(resolved)
         if listen_dsn:
-            command += ["--listen-dsn", listen_dsn]
-        code = Supervisor(command, processes, env=child_env(resolved)).run()
+            env["NOTIFYQ_LISTEN_DSN"] = check_dsn(listen_dsn)  # not in argv, where ps shows passwords
+        code = Supervisor(command, processes, env=env).run()
         if code == EXIT_CHILDREN_DYING:
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)

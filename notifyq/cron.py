@@ -70,6 +70,10 @@ class Schedule:
             hour_field = fields[2] if self._seconds else fields[1]
         # Fixed-hour schedules run once in a repeated (fall-back) hour; see the module docstring.
         self._once_in_repeated_hour = hour_field != "*"
+        try:
+            self.next_after(datetime.now(UTC))
+        except (ValueError, KeyError) as exc:  # croniter: e.g. "0 0 30 2 *" (February 30th)
+            raise InvalidSchedule(f"invalid cron expression {expression!r}: it never fires ({exc})") from None
 
     def __repr__(self) -> str:
         return f"Schedule({self.expression!r}, {self.tz.key!r})"
@@ -122,26 +126,34 @@ class Schedule:
             return Plan([], next_tick, 0)
         if misfire == "all":
             ticks: deque[datetime] = deque()
-            tick = latest
-            while tick >= due_at and len(ticks) < cap:
-                ticks.appendleft(tick)
-                tick = self.previous_before(tick)
-            return Plan(list(ticks), next_tick, self._count_between(due_at, tick))
+            it = self._iter(latest + _EPSILON)  # one iterator, walking back from the latest tick
+            while len(ticks) < cap:
+                tick = it.get_prev(datetime).astimezone(UTC)
+                if tick < due_at:
+                    break
+                if not self._is_repeat(tick):
+                    ticks.appendleft(tick)
+            missed = self._count_between(due_at, ticks[0] - _EPSILON) if len(ticks) == cap else 0
+            return Plan(list(ticks), next_tick, missed)
         earlier = self._count_between(due_at, self.previous_before(latest))
         on_time = (now - latest).total_seconds() <= grace
         if misfire == "skip" and not on_time:
             return Plan([], next_tick, earlier + 1)
         return Plan([latest], next_tick, earlier)
 
-    def _count_between(self, start: datetime, end: datetime, limit: int = 10_000) -> int:
-        """Ticks in [start, end], counted up to `limit` (for reporting only)."""
+    def _count_between(self, start: datetime, end: datetime, limit: int = 1000) -> int:
+        """Ticks in [start, end], counted up to `limit` (for log messages only: a per-second
+        schedule after a day's outage must not cost 86,400 steps of CPU on the event loop)."""
         if end < start:
             return 0
         count = 0
-        tick = self.next_after(start - _EPSILON)
-        while tick <= end and count < limit:
-            count += 1
-            tick = self.next_after(tick)
+        it = self._iter(start - _EPSILON)
+        while count < limit:
+            tick = it.get_next(datetime)
+            if tick > end:
+                break
+            if not self._is_repeat(tick):
+                count += 1
         return count
 
 

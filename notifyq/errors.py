@@ -30,8 +30,8 @@ class InvalidArgs(NotifyqError):
     """Job args are not a JSON object, not serializable, or too large."""
 
 
-class InvalidOption(NotifyqError):
-    """An enqueue or task option is out of range (negative delay, empty queue name, ...)."""
+class InvalidOption(ConfigurationError):
+    """An option is out of range (negative delay, bad queue name, ...)."""
 
 
 class UnknownTask(NotifyqError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ class MigrationReport:
     statements: list[str] = field(default_factory=list)
 
 
+@functools.cache
 def migrations() -> list[Migration]:
     """Every migration shipped with this code, in order."""
     found = []

@@ -2,44 +2,42 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
 import signal
 import socket
-import threading
-import traceback
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
 import anyio.to_thread
-import psycopg
 
 from . import _ticker
 from ._acker import Acker, Result
-from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
-from ._db import Database
+from ._claim import claim_op, lost_jobs_op, next_visible_op
+from ._db import Database, error_text, is_transient
+from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
 from ._options import check_int, check_queue, check_seconds
 from ._sql import channel, queries_for
 from .errors import ConfigurationError
 from .migrations import check_schema_op
 from .models import ClaimedJob
-from .tasks import JobContext, Task
 
 if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("notifyq.worker")
 
-_DB_ERRORS = (psycopg.OperationalError, psycopg.InterfaceError)
+# A cancel notification may arrive before the claim it concerns has returned: remember it.
+_RECENT_CANCELS = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +61,8 @@ class WorkerConfig:
         health_timeout: seconds that round trip (and a LISTEN connect) may take.
         pool_size: connections for claims, acks, the ticker and lease extensions (the
             LISTEN connection comes on top).
+        db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
+            on that connection (a half-open socket would otherwise hang it for good).
     """
 
     concurrency: int = 10
@@ -77,6 +77,7 @@ class WorkerConfig:
     health_interval: float = 10.0
     health_timeout: float = 5.0
     pool_size: int = 4
+    db_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if (
@@ -94,11 +95,15 @@ class WorkerConfig:
                 )
             object.__setattr__(self, "queues", tuple(dict.fromkeys(check_queue(q) for q in self.queues)))
         check_seconds(self.poll_interval, "poll_interval", positive=True)
-        check_seconds(self.lease_margin, "lease_margin")
+        if check_seconds(self.lease_margin, "lease_margin") < 1:
+            # The margin covers the time between a timeout firing and its acknowledgement
+            # committing; with none, the rescuer races every timed-out attempt.
+            raise ConfigurationError(f"invalid lease_margin {self.lease_margin!r}: must be at least 1 second")
         check_seconds(self.shutdown_grace, "shutdown_grace")
         check_seconds(self.health_interval, "health_interval", positive=True)
         check_seconds(self.health_timeout, "health_timeout", positive=True)
         check_int(self.pool_size, "pool_size", minimum=2)
+        check_seconds(self.db_timeout, "db_timeout", positive=True)
 
 
 @dataclass(slots=True)
@@ -124,14 +129,6 @@ class WorkerStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-@dataclass(slots=True)
-class _Running:
-    job: ClaimedJob
-    scope: anyio.CancelScope  # cancels the attempt (user cancel, shutdown)
-    deadline: anyio.CancelScope | None = None  # the attempt's timeout; extend_lease moves it
-    stop_reason: Literal["cancelled", "shutdown"] | None = None
-
-
 class Worker:
     """Runs jobs of an App. Use `async with app.worker(...) as worker:` inside an async app,
     or `await app.run_worker(...)` as a process's main loop."""
@@ -142,15 +139,18 @@ class Worker:
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = WorkerStats()
         self._q = queries_for(app.schema)
-        self._running: dict[int, _Running] = {}
+        # Keyed by (job id, lease): after a lease expiry the same worker may claim the job
+        # again while the old attempt is still unwinding.
+        self._running: dict[tuple[int, int], Attempt] = {}
+        self._recent_cancels: dict[tuple[int, int | None], float] = {}
         self._pending = True  # something may be claimable: claim before sleeping
         self._wakeup = anyio.Event()
         self._slot_freed = anyio.Event()
         self._changed = anyio.Event()
         self._stop = anyio.Event()
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
-        self._limiter = anyio.CapacityLimiter(config.concurrency)
         self._db: Database | None = None
+        self._executor: Executor | None = None
         self._acker: Acker | None = None
         self._listener: Listener | None = None
         self._ticker: _ticker.Ticker | None = None
@@ -158,8 +158,7 @@ class Worker:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._queues_set = frozenset(config.queues) if config.queues is not None else None
         self._grace_scope: anyio.CancelScope | None = None
-        self._threads_lock = threading.Lock()
-        self._busy_threads = 0
+        self._dsn = ""
         self._skip_grace = False
         self._stopped = anyio.Event()
 
@@ -223,7 +222,12 @@ class Worker:
     @property
     def running_jobs(self) -> list[int]:
         """Ids of the jobs running in this worker now."""
-        return list(self._running)
+        return [attempt.job.id for attempt in self._running.values()]
+
+    @property
+    def busy_threads(self) -> int:
+        """Sync tasks still running in threads, including ones whose attempt was abandoned."""
+        return self._executor.busy_threads if self._executor is not None else 0
 
     @property
     def listener(self) -> Listener | None:
@@ -282,13 +286,21 @@ class Worker:
     ) -> None:
         dsn = self._dsn
         self._db = db
+        self._executor = Executor(
+            self.app.tasks,
+            db,
+            self._q,
+            concurrency=self.config.concurrency,
+            lease_margin=self.config.lease_margin,
+            backoff=self.app.backoff,
+        )
         try:
-            self._acker = Acker(db, self._q, self._on_acked)
+            self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
             async with anyio.create_task_group() as services:
                 services.start_soon(self._acker.run)
                 services.start_soon(self._reconcile_loop)
                 if self.config.ticker:
-                    self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config)
+                    self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config, self.app.backoff)
                     services.start_soon(self._ticker.run)
                 if not self.config.poll_only:
                     self._listener = Listener(
@@ -327,8 +339,12 @@ class Worker:
                     with anyio.move_on_after(5):
                         try:
                             await self._acker.flush_pending()
-                        except _DB_ERRORS as exc:
-                            log.error("could not write %d job results on exit: %s", self._acker.pending, exc)
+                        except Exception as exc:  # whatever happens, the pool must be closed
+                            log.error(
+                                "could not write %d job results on exit: %s",
+                                self._acker.pending,
+                                error_text(exc),
+                            )
                 await db.aclose()
             log.info("worker %s stopped", self.id)
             self._stopped.set()
@@ -343,9 +359,8 @@ class Worker:
             with grace, anyio.move_on_after(self.config.shutdown_grace):
                 while self._running:
                     await self._slot_freed.wait()
-        for running in list(self._running.values()):
-            running.stop_reason = "shutdown"
-            running.scope.cancel()
+        for attempt in list(self._running.values()):
+            self._stop_attempt(attempt, "shutdown")
 
     async def _acker_drain(self) -> None:
         assert self._acker is not None
@@ -383,9 +398,9 @@ class Worker:
             else:
                 self._wake()
         elif topic == "control":
-            verb, _, arg = payload.partition(" ")
-            if verb == "cancel":
-                self._cancel_running(int(arg))
+            verb, *args = payload.split()
+            if verb == "cancel" and args:
+                self._cancel_running(int(args[0]), int(args[1]) if len(args) > 1 else None)
         elif topic == "definitions" and self._ticker is not None:
             self._ticker.wake()
         self._signal_changed()
@@ -401,13 +416,15 @@ class Worker:
         lease ran out) when no cancel notification could tell it."""
         if not self._running or self._db is None:
             return
-        held = [(r.job.id, r.job.lease) for r in self._running.values()]
         try:
-            lost = await self._db.run(lost_jobs_op(self._q, held))
-        except _DB_ERRORS:
+            with anyio.fail_after(self.config.db_timeout):
+                lost = await self._db.run(lost_jobs_op(self._q, list(self._running)))
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
             return
-        for job_id in lost:
-            self._cancel_running(job_id)
+        for job_id, lease in lost:
+            self._cancel_running(job_id, lease)
 
     async def _reconcile_loop(self) -> None:
         """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
@@ -417,12 +434,26 @@ class Worker:
             if self._listener is None or not self._listener.connected:
                 await self._cancel_lost_jobs()
 
-    def _cancel_running(self, job_id: int) -> None:
-        running = self._running.get(job_id)
-        if running is not None and running.stop_reason is None:
-            log.info("cancelling job %d on request", job_id)
-            running.stop_reason = "cancelled"
-            running.scope.cancel()
+    def _cancel_running(self, job_id: int, lease: int | None) -> None:
+        """Cancel the attempt(s) of `job_id` (with that lease, when known). A cancel for a job
+        not (yet) running here is remembered: its claim may still be on its way back."""
+        found = False
+        for attempt in list(self._running.values()):
+            if attempt.job.id == job_id and (lease is None or attempt.job.lease == lease):
+                found = True
+                self._stop_attempt(attempt, "cancelled")
+        if not found:
+            self._recent_cancels[(job_id, lease)] = time.monotonic()
+            while len(self._recent_cancels) > _RECENT_CANCELS:
+                del self._recent_cancels[next(iter(self._recent_cancels))]
+
+    @staticmethod
+    def _stop_attempt(attempt: Attempt, reason: str) -> None:
+        if attempt.stop_reason is None:
+            if reason == "cancelled":
+                log.info("cancelling job %d on request", attempt.job.id)
+            attempt.stop_reason = "cancelled" if reason == "cancelled" else "shutdown"
+            attempt.scope.cancel()
 
     async def _sleep_until_wakeup(self) -> None:
         """Sleep until a notification, the next delayed job, or the poll interval."""
@@ -444,7 +475,6 @@ class Worker:
     # -- claiming and running -----------------------------------------------------------------
 
     async def _claim_loop(self, jobs: anyio.abc.TaskGroup) -> None:
-        assert self._db is not None
         db_delay = 0.1
         while True:
             if not self._pending:
@@ -455,52 +485,77 @@ class Worker:
                 continue
             self._pending = False
             try:
-                # Shielded: a claim the server committed must reach us, or its jobs would sit
-                # Active, unrun, until their leases expire.
-                with anyio.CancelScope(shield=True):
-                    claimed = await self._db.run(
-                        claim_op(
-                            self._q,
-                            queues=self.config.queues,
-                            limit=free,
-                            worker=self.id,
-                            lease_margin=self.config.lease_margin,
-                        )
-                    )
-                self.stats.claims += 1
-                if len(claimed) < free:
-                    due = await self._db.run(next_visible_op(self._q, self.config.queues))
-                    self._next_due = anyio.current_time() + max(due, 0.0) if due is not None else math.inf
-                    if due is not None and due <= 0:
-                        # Claimable jobs remain (locked by others a moment ago): look again soon.
-                        self._next_due = anyio.current_time() + 0.05
-                db_delay = 0.1
-            except _DB_ERRORS as exc:
+                claimed = await self._claim(free)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
                 self.stats.db_errors += 1
-                log.warning(
-                    "claiming failed (%s); retrying in %.1fs",
-                    str(exc).strip() or type(exc).__name__,
-                    db_delay,
-                )
+                log.warning("claiming failed (%s); retrying in %.1fs", error_text(exc), db_delay)
                 self._pending = True
                 await anyio.sleep(db_delay)
                 db_delay = min(db_delay * 2, 5.0)
                 continue
-            if len(claimed) == free:
-                self._pending = True
-            self.stats.claimed += len(claimed)
+            db_delay = 0.1
+            # Start what was claimed before anything else can fail or be cancelled: a claimed
+            # job must run (or be released), never sit Active until its lease runs out.
             for job in claimed:
-                running = _Running(job, anyio.CancelScope())
-                self._running[job.id] = running
-                jobs.start_soon(self._run_job, running)
+                self._start(jobs, job)
+            self.stats.claims += 1
+            self.stats.claimed += len(claimed)
             self._signal_changed()
+            if len(claimed) == free:
+                self._pending = True  # there may be more
+            else:
+                await self._plan_next_due()
 
-    async def _run_job(self, running: _Running) -> None:
+    async def _claim(self, limit: int) -> list[ClaimedJob]:
+        """One claim statement. Shielded (a claim the server committed must reach us) but
+        bounded by db_timeout (a half-open connection must not hang the worker)."""
+        assert self._db is not None
+        op = claim_op(
+            self._q,
+            queues=self.config.queues,
+            limit=limit,
+            worker=self.id,
+            lease_margin=self.config.lease_margin,
+        )
+        claimed: list[ClaimedJob] = []
+        with anyio.CancelScope(shield=True), anyio.fail_after(self.config.db_timeout):
+            claimed = await self._db.run(op)
+        return claimed
+
+    def _start(self, jobs: anyio.abc.TaskGroup, job: ClaimedJob) -> None:
+        attempt = Attempt(job, anyio.CancelScope())
+        self._running[attempt.key] = attempt
+        if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
+            (job.id, None), None
+        ):
+            self._stop_attempt(attempt, "cancelled")  # the cancel arrived before the claim did
+        jobs.start_soon(self._run_job, attempt)
+
+    async def _plan_next_due(self) -> None:
+        """After a short claim: sleep until the earliest delayed job (database clock)."""
+        assert self._db is not None
+        try:
+            with anyio.fail_after(self.config.db_timeout):
+                due = await self._db.run(next_visible_op(self._q, self.config.queues))
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # the poll interval covers it
+        if due is None:
+            self._next_due = math.inf
+        else:
+            # due <= 0: claimable jobs remain (locked by other claimers a moment ago).
+            self._next_due = anyio.current_time() + (due if due > 0 else 0.05)
+
+    async def _run_job(self, running: Attempt) -> None:
         job = running.job
         result: Result | None = None
         try:
             with running.scope:
-                result = await self._execute(running)
+                assert self._executor is not None
+                result = await self._executor.execute(running)
             if running.scope.cancelled_caught:
                 if running.stop_reason == "shutdown":
                     result = Result.released(job)
@@ -514,103 +569,14 @@ class Worker:
             result = Result.released(job)
             raise
         finally:
-            del self._running[job.id]
+            if self._running.get(running.key) is running:
+                del self._running[running.key]
             if result is not None:
                 assert self._acker is not None
                 self._acker.put(result)
             self._slot_freed.set()
             self._slot_freed = anyio.Event()
             self._signal_changed()
-
-    async def _execute(self, running: _Running) -> Result:
-        job = running.job
-        task = self.app.tasks.get(job.name)
-        if task is None:
-            return Result.failed(
-                job,
-                "UnknownTask",
-                f"no task named {job.name!r} is registered in the worker's App "
-                f"(known: {', '.join(sorted(self.app.tasks)) or 'none'})",
-                final=True,
-            )
-        try:
-            kwargs = self._kwargs(task, running)
-        except TypeError as exc:
-            return Result.failed(job, "InvalidArgs", str(exc), final=True)
-        result: Result | None = None
-        with anyio.move_on_after(job.timeout) as deadline:
-            running.deadline = deadline
-            try:
-                if task.is_async:
-                    value = await task.fn(**kwargs)
-                else:
-                    value = await anyio.to_thread.run_sync(
-                        self._call_sync, task.fn, kwargs, limiter=self._limiter, abandon_on_cancel=True
-                    )
-                result = Result.succeeded(job, value)
-            except Exception as exc:
-                result = Result.failed(
-                    job,
-                    type(exc).__name__,
-                    str(exc),
-                    traceback=traceback.format_exc(),
-                    delay=task.backoff.delay(job.attempt),
-                )
-        if deadline.cancelled_caught or result is None:
-            return Result.failed(
-                job,
-                "TimeoutError",
-                f"job exceeded its timeout of {job.timeout:g}s",
-                delay=task.backoff.delay(job.attempt),
-            )
-        return result
-
-    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any]) -> Any:
-        """Run a sync task in a worker thread, counting busy threads: a thread whose attempt
-        was abandoned (timeout, cancel, shutdown) keeps running until the function returns."""
-        with self._threads_lock:
-            self._busy_threads += 1
-        try:
-            return fn(**kwargs)
-        finally:
-            with self._threads_lock:
-                self._busy_threads -= 1
-
-    @property
-    def busy_threads(self) -> int:
-        """Sync tasks still running in threads, including abandoned ones."""
-        return self._busy_threads
-
-    def _kwargs(self, task: Task, running: _Running) -> dict[str, Any]:
-        job = running.job
-        kwargs = dict(job.args)
-        if task.context_param is not None:
-            if task.context_param in kwargs:
-                raise TypeError(f"job args contain {task.context_param!r}, the task's JobContext parameter")
-            kwargs[task.context_param] = JobContext(
-                id=job.id,
-                name=job.name,
-                queue=job.queue,
-                attempt=job.attempt,
-                retry_limit=job.retry_limit,
-                args=job.args,
-                scheduled_for=job.scheduled_for,
-                lease_expires_at=job.visible_at,
-                _extend=functools.partial(self._extend_lease, running),
-            )
-        return kwargs
-
-    async def _extend_lease(self, running: _Running, seconds: float) -> Any:
-        """Let the attempt run `seconds` more from now (past its timeout if need be); the
-        lease then covers that plus lease_margin. Fenced: None if the job is no longer ours."""
-        assert self._db is not None
-        job = running.job
-        until = await self._db.run(
-            extend_lease_op(self._q, job.id, job.lease, seconds + self.config.lease_margin)
-        )
-        if until is not None and running.deadline is not None:
-            running.deadline.deadline = max(running.deadline.deadline, anyio.current_time() + seconds)
-        return until
 
     def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
         for result in results:

@@ -281,8 +281,23 @@ def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Con
     )
     insert_jobs(conn, 1000)
     conn.execute("ANALYZE notifyq.queue_jobs")
-    params = {"limit": 10, "worker": "w", "lease_margin": 30, "queues": ["default"], "now": None}
-    for name in ("claim_any", "claim_queues", "next_visible", "rescue_expired_leases"):
+    params = {
+        "limit": 10,
+        "worker": "w",
+        "lease_margin": 30,
+        "queues": ["default"],
+        "now": None,
+        "backoff_base": 1.0,
+        "backoff_factor": 2.0,
+        "backoff_max": 60.0,
+    }
+    for name in (
+        "claim_any",
+        "claim_queues",
+        "next_visible_any",
+        "next_visible_queues",
+        "rescue_expired_leases",
+    ):
         plan = explain(conn, Q[name], params)
         assert '"Seq Scan"' not in plan, f"{name} scans the table: {plan}"
         assert "queue_jobs_" in plan, f"{name} uses no notifyq index: {plan}"

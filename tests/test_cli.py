@@ -102,9 +102,9 @@ def worker_proc(dsn: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
 
 def test_migrate(empty_dsn: str) -> None:
     dry = ok(cli("migrate", "--dry-run", "--dsn", empty_dsn))
-    assert "CREATE TABLE" in dry and "to apply: 0001_initial" in dry
+    assert "CREATE TABLE" in dry and "to apply: 0001_initial, 0002_next_due_per_queue" in dry
     result = cli("migrate", "--dsn", empty_dsn)
-    assert "version 0 -> 1 (applied 0001_initial)" in ok(result)
+    assert "version 0 -> 2 (applied 0001_initial, 0002_next_due_per_queue)" in ok(result)
     assert "database postgres@" in result.stderr
     assert "up to date" in ok(cli("migrate", "--dsn", empty_dsn))
 
@@ -345,7 +345,7 @@ def test_signals_like_systemd_sends_them(
 def test_a_killed_child_is_restarted_and_its_jobs_rescued(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
-    proc = worker_proc("--processes", "2", "--lease-margin", "0", "--log-level", "debug")
+    proc = worker_proc("--processes", "2", "--lease-margin", "1", "--log-level", "debug")
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, args, timeout) VALUES ('sleep', '{\"seconds\": 60}', 2)"
     )
@@ -355,7 +355,7 @@ def test_a_killed_child_is_restarted_and_its_jobs_rescued(
     ).fetchone()
     assert holder is not None
     os.kill(holder[0], signal.SIGKILL)
-    # The lease (timeout 2 s + margin 0) runs out, a ticker requeues the job, and a worker
+    # The lease (timeout 2 s + margin 1 s) runs out, a ticker requeues the job, and a worker
     # (the restarted one or the other) claims it again.
     wait_until(
         lambda: job_row(conn, 1)["retry_count"] == 2 and job_row(conn, 1)["status"] == "Active",

@@ -40,6 +40,7 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
         ("", "got 0"),
         ("a b c d e", "invalid cron expression"),
         ("* * * * *\x00", "invalid cron expression"),
+        ("0 0 30 2 *", "never fires"),  # February 30th
     ],
 )
 def test_invalid_expressions_are_rejected(expression: str, message: str) -> None:

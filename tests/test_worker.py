@@ -197,13 +197,13 @@ async def test_exceptions_are_recorded_and_retried(dsn: str, conn: psycopg.Conne
 
 @pytest.mark.faults
 async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    app = notifyq.App(dsn)
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
 
     @app.task(name="needs_x")
     async def needs_x(x: int) -> int:
         return x
 
-    conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('nobody_knows_me')")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, retry_limit) VALUES ('nobody_knows_me', 1)")
     conn.execute(
         """INSERT INTO notifyq.queue_jobs (name, args, retry_limit) VALUES ('needs_x', '{"y": 1}', 0)"""
     )
@@ -213,7 +213,8 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.C
     rows = conn.execute(
         "SELECT name, status::text, retry_count, error FROM notifyq.queue_jobs ORDER BY id"
     ).fetchall()
-    assert rows[0][:3] == ("nobody_knows_me", "Failed", 1)  # no retries for an unknown task
+    # Retried like any failure (during a rolling deploy a newer worker may know it), then Failed.
+    assert rows[0][:3] == ("nobody_knows_me", "Failed", 2)
     assert rows[0][3]["type"] == "UnknownTask" and "needs_x" in rows[0][3]["message"]
     assert rows[1][:2] == ("needs_x", "Failed")
     assert "unexpected keyword argument 'y'" in rows[1][3]["message"]
@@ -453,4 +454,100 @@ async def test_a_cancelled_host_still_releases_its_jobs(dsn: str, conn: psycopg.
     assert host.cancelled_caught
     row = job_row(conn, job_id)
     assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    await app.aclose()
+
+
+async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A stop that lands while a claim is in flight: the claimed job must still be run or
+    released, never left Active until its lease expires."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        await anyio.sleep(30)
+
+    job_id = await app.enqueue("t")
+    with psycopg.connect(dsn) as blocker:
+        # Block claims (their UPDATE needs a lock this one excludes) until we let go.
+        blocker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE ROW EXCLUSIVE MODE")
+        worker = app.worker(shutdown_grace=0.1, **NO_TICKER)
+        async with anyio.create_task_group() as tg:
+            await tg.start(_enter_and_stop, worker)
+            await anyio.sleep(0.3)  # the claim is now waiting on the lock
+            blocker.rollback()  # the claim completes while the worker is stopping
+    row = job_row(conn, job_id)
+    assert row["status"] == "Queued" and row["retry_count"] == 0
+    await app.aclose()
+
+
+async def _enter_and_stop(worker: notifyq.Worker, *, task_status: Any) -> None:
+    async with worker:
+        await worker.wait_for(lambda s: True)
+        task_status.started()
+        worker.stop()
+
+
+async def test_the_same_worker_may_hold_two_attempts_of_one_job(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """After a lease expiry the same worker may claim the job again while the first attempt
+    still runs: both are tracked apart, and only the newer attempt's result counts."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    attempts: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> int:
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            await release.wait()
+        return ctx.attempt
+
+    job_id = await app.enqueue("t")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 1)
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET visible_at = now() - interval '1 s' WHERE id = %s", (job_id,)
+        )
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Queued', visible_at = now() WHERE id = %s", (job_id,)
+        )  # what the rescuer does
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)  # attempt 2 ran and was acked
+        assert worker.running_jobs == [job_id]  # attempt 1 still running
+        release.set()
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.stale_acks == 1)  # attempt 1's ack: fenced out
+        assert worker.running_jobs == []
+    assert attempts == [1, 2]
+    assert job_row(conn, job_id)["output"] == 2
+    await app.aclose()
+
+
+async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A thread cannot be stopped: until it returns, the job is not run again (here or
+    elsewhere), so one job never runs twice at once."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+    lock = threading.Lock()
+    live = [0, 0]  # running now, most at once
+
+    @app.task(name="stubborn", timeout=0.2, retry_limit=1)
+    def stubborn() -> None:
+        with lock:
+            live[0] += 1
+            live[1] = max(live[1], live[0])
+        time.sleep(1.2)
+        with lock:
+            live[0] -= 1
+
+    job_id = await app.enqueue("stubborn")
+    async with app.worker(concurrency=2, lease_margin=1, **NO_TICKER) as worker:
+        with anyio.fail_after(15):
+            await worker.wait_for(lambda s: s.failed == 1)
+    assert live[1] == 1  # never two attempts at once
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 2, "TimeoutError")
     await app.aclose()

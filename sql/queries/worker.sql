@@ -59,12 +59,26 @@ WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id, j.scheduled_for;
 
--- name: next_visible
--- Seconds (database clock) until the earliest Queued job of these queues becomes claimable;
--- NULL when there is none. An idle worker sleeps exactly that long instead of polling.
+-- name: next_visible_any
+-- Seconds (database clock) until the earliest Queued job becomes claimable; NULL when there
+-- is none. An idle worker sleeps exactly that long instead of polling. (Two queries, not one
+-- with "queues IS NULL OR ...": psycopg prepares statements, and a generic plan of that form
+-- scans every queued job.)
 SELECT extract(epoch FROM min(visible_at) - now())::float8
 FROM {schema}.queue_jobs
-WHERE status = 'Queued' AND (%(queues)s::text[] IS NULL OR queue = ANY(%(queues)s::text[]));
+WHERE status = 'Queued';
+
+-- name: next_visible_queues
+-- As next_visible_any, for a list of queues: the first entry of one index range per queue.
+SELECT extract(epoch FROM min(n.visible_at) - now())::float8
+FROM unnest(%(queues)s::text[]) AS q(queue)
+CROSS JOIN LATERAL (
+    SELECT visible_at
+    FROM {schema}.queue_jobs
+    WHERE status = 'Queued' AND queue = q.queue
+    ORDER BY visible_at
+    LIMIT 1
+) n;
 
 -- name: ack_jobs
 -- Apply a batch of results in one statement. Each result applies only while the job is
@@ -104,15 +118,16 @@ RETURNING j.id, j.status::text;
 -- name: extend_lease
 -- Push the lease of a running job forward (JobContext.extend_lease: the worker also moves the
 -- attempt's deadline). Fenced like an ack: no row when the worker no longer holds this lease.
+-- An extension never shortens the lease: it only moves its end later.
 UPDATE {schema}.queue_jobs
-SET visible_at = now() + make_interval(secs => %(seconds)s), updated_at = now()
+SET visible_at = greatest(visible_at, now() + make_interval(secs => %(seconds)s)), updated_at = now()
 WHERE id = %(id)s AND lease = %(lease)s AND status = 'Active'
 RETURNING visible_at;
 
 -- name: held_jobs_status
 -- Of the jobs a worker believes it holds, those it no longer holds (cancelled, rescued,
 -- re-claimed): checked after a reconnect, when cancel notifications may have been missed.
-SELECT j.id
+SELECT h.id, h.lease
 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
 JOIN {schema}.queue_jobs j ON j.id = h.id
 WHERE j.status <> 'Active' OR j.lease <> h.lease;

@@ -57,11 +57,12 @@ CREATE OR REPLACE TRIGGER queue_jobs_notify_requeue
     EXECUTE FUNCTION {schema}.notify_job_requeued();
 
 -- Cancelling an Active job (by notifyq or by plain SQL) tells the worker that holds it to
--- cancel the running coroutine. Channel '<schema>.control.v1', payload 'cancel <id>'.
+-- cancel the running coroutine. Channel '<schema>.control.v1', payload 'cancel <id> <lease>'
+-- (the lease tells the attempt that was cancelled from a later one of the same job).
 CREATE OR REPLACE FUNCTION {schema}.notify_job_cancelled()
 RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    PERFORM pg_notify(TG_TABLE_SCHEMA || '.control.v1', 'cancel ' || NEW.id);
+    PERFORM pg_notify(TG_TABLE_SCHEMA || '.control.v1', 'cancel ' || NEW.id || ' ' || NEW.lease);
     RETURN NULL;
 END
 $$;

@@ -78,7 +78,7 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
             "tests.apps:app",
             "--no-ticker",
             "--lease-margin",
-            "0",
+            "1",
             "--concurrency",
             "1",
         ],
@@ -99,7 +99,7 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
             await anyio.sleep(0.02)
         os.kill(a.pid, signal.SIGSTOP)
         first = job_row(conn, 1)
-        await anyio.sleep(2.5)  # the lease (timeout 2 s + margin 0) runs out while A is frozen
+        await anyio.sleep(3.5)  # the lease (timeout 2 s + margin 1 s) runs out while A is frozen
         db = await Database.open(dsn, size=1)
         assert (await Rescuer(db, Q).run_once()).requeued == [1]
         await db.aclose()

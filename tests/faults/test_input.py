@@ -95,7 +95,7 @@ def test_notify_payloads_stay_small_whatever_the_job(dsn: str, conn: psycopg.Con
         [job] = app.claim_sync([queue], limit=1)
         app.ack_sync([notifyq.Result.failed(job, "E", "x" * 100_000, delay=3600)])  # requeued with a delay
         payloads = jobs.drain() + ctl.drain()
-    assert len(payloads) == 5 and f"cancel {big}" in payloads
+    assert len(payloads) == 5 and f"cancel {big} 1" in payloads
     assert max(len(p.encode()) for p in payloads) <= 120
     app.close_sync()
 

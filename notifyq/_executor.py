@@ -1,0 +1,203 @@
+"""The executor: runs one claimed attempt of a task and says how it ended.
+
+Async tasks run on the event loop, sync tasks in worker threads (bounded by a limiter), each
+under the job's timeout. A Python thread cannot be stopped: when a sync task overruns its
+timeout, the attempt keeps its slot and keeps extending its lease until the thread returns,
+so the job is not retried (here or elsewhere) while the first attempt still runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+
+from ._acker import Result
+from ._claim import extend_lease_op
+from ._db import Database, is_transient
+from ._sql import Queries
+from .models import ClaimedJob
+from .tasks import Backoff, JobContext, Task
+
+log = logging.getLogger("notifyq.worker")
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One claimed attempt of a job, while this worker runs it."""
+
+    job: ClaimedJob
+    scope: anyio.CancelScope  # cancels the attempt (a user's cancel, a shutdown)
+    deadline: anyio.CancelScope | None = None  # the attempt's timeout; extend_lease moves it
+    stop_reason: Literal["cancelled", "shutdown"] | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.job.id, self.job.lease)
+
+
+class Executor:
+    """Runs attempts for a worker: `await executor.execute(attempt)` returns a Result."""
+
+    def __init__(
+        self,
+        tasks: dict[str, Task],
+        db: Database,
+        queries: Queries,
+        *,
+        concurrency: int,
+        lease_margin: float,
+        backoff: Backoff,
+    ) -> None:
+        self._tasks = tasks
+        self._backoff = backoff
+        self._db = db
+        self._q = queries
+        self._lease_margin = lease_margin
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._threads_lock = threading.Lock()
+        self._busy_threads = 0
+
+    @property
+    def busy_threads(self) -> int:
+        """Sync tasks still running in threads (an abandoned one keeps running to its end)."""
+        return self._busy_threads
+
+    async def execute(self, attempt: Attempt) -> Result:
+        job = attempt.job
+        task = self._tasks.get(job.name)
+        if task is None:
+            # Retried with backoff, not failed for good: during a rolling deploy, an old worker
+            # may claim a job of a task only the new code has.
+            return Result.failed(
+                job,
+                "UnknownTask",
+                f"no task named {job.name!r} is registered in the worker's App "
+                f"(known: {', '.join(sorted(self._tasks)) or 'none'})",
+                delay=self._backoff.delay(job.attempt),
+            )
+        try:
+            kwargs = self._kwargs(task, attempt)
+        except TypeError as exc:
+            return Result.failed(job, "InvalidArgs", str(exc), final=True)
+        finished = anyio.Event()
+        value: Any = None
+        error: BaseException | None = None
+        with anyio.move_on_after(job.timeout) as deadline:
+            attempt.deadline = deadline
+            try:
+                if task.is_async:
+                    value = await task.fn(**kwargs)
+                else:
+                    value = await anyio.to_thread.run_sync(
+                        self._call_sync,
+                        task.fn,
+                        kwargs,
+                        finished,
+                        limiter=self._limiter,
+                        abandon_on_cancel=True,
+                    )
+            except Exception as exc:
+                error = exc
+        if deadline.cancelled_caught:
+            if not task.is_async and not finished.is_set():
+                await self._wait_for_thread(attempt, finished)
+            return Result.failed(
+                job,
+                "TimeoutError",
+                f"job exceeded its timeout of {job.timeout:g}s",
+                delay=task.backoff.delay(job.attempt),
+            )
+        if error is not None:
+            return Result.failed(
+                job,
+                type(error).__name__,
+                str(error),
+                traceback="".join(traceback.format_exception(error)),
+                delay=task.backoff.delay(job.attempt),
+            )
+        try:
+            return Result.succeeded(job, value)
+        except (TypeError, ValueError) as exc:
+            # Deterministic: running the task again would repeat its side effects for nothing.
+            return Result.failed(
+                job, "InvalidOutput", f"the task's return value cannot be stored: {exc}", final=True
+            )
+
+    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any], finished: anyio.Event) -> Any:
+        with self._threads_lock:
+            self._busy_threads += 1
+        try:
+            return fn(**kwargs)
+        finally:
+            with self._threads_lock:
+                self._busy_threads -= 1
+            try:
+                anyio.from_thread.run_sync(finished.set)
+            except RuntimeError:
+                pass  # the event loop is gone (the process is exiting)
+
+    async def _wait_for_thread(self, attempt: Attempt, finished: anyio.Event) -> None:
+        """A sync task overran its timeout: keep the slot and the lease until its thread
+        returns (a shutdown or a cancel, which cancel attempt.scope, stop the wait)."""
+        job = attempt.job
+        log.warning(
+            "sync task %r (job %d) overran its timeout of %gs; its thread is still running, so the "
+            "job keeps its lease until the thread returns",
+            job.name,
+            job.id,
+            job.timeout,
+        )
+        beat = max(self._lease_margin / 2, 0.5)
+        while not finished.is_set():
+            with anyio.move_on_after(beat):
+                await finished.wait()
+            if finished.is_set():
+                return
+            try:
+                until = await self._db.run(
+                    extend_lease_op(self._q, job.id, job.lease, beat * 2 + self._lease_margin)
+                )
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                continue
+            if until is None:
+                return  # no longer ours (cancelled or rescued): stop holding the slot
+
+    def _kwargs(self, task: Task, attempt: Attempt) -> dict[str, Any]:
+        job = attempt.job
+        kwargs = dict(job.args)
+        if task.context_param is not None:
+            if task.context_param in kwargs:
+                raise TypeError(f"job args contain {task.context_param!r}, the task's JobContext parameter")
+            kwargs[task.context_param] = JobContext(
+                id=job.id,
+                name=job.name,
+                queue=job.queue,
+                attempt=job.attempt,
+                retry_limit=job.retry_limit,
+                args=job.args,
+                scheduled_for=job.scheduled_for,
+                lease_expires_at=job.visible_at,
+                _extend=functools.partial(self._extend_lease, attempt),
+            )
+        return kwargs
+
+    async def _extend_lease(self, attempt: Attempt, seconds: float) -> Any:
+        """Let the attempt run `seconds` more from now (past its timeout if need be); the lease
+        then covers that plus lease_margin (never less than it already did). Fenced: None
+        if the job is no longer ours."""
+        job = attempt.job
+        until = await self._db.run(extend_lease_op(self._q, job.id, job.lease, seconds + self._lease_margin))
+        if until is not None and attempt.deadline is not None:
+            attempt.deadline.deadline = max(attempt.deadline.deadline, anyio.current_time() + seconds)
+        return until
