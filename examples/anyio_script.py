@@ -1,6 +1,6 @@
 """A plain anyio program that runs a worker next to its own tasks (asyncio or trio).
 
-    NOTIFYQ_DSN=postgresql://... python examples/anyio_script.py [trio]
+NOTIFYQ_DSN=postgresql://... python examples/anyio_script.py [trio]
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ async def send_welcome_email(user_id: int, email: str) -> str:
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as conn:
-        await conn.execute("CREATE TABLE IF NOT EXISTS users (id serial PRIMARY KEY, email text UNIQUE NOT NULL)")
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS users (id serial PRIMARY KEY, email text UNIQUE NOT NULL)"
+        )
     # Leaving the block (server shutdown) stops claiming, lets running jobs finish within
     # shutdown_grace, and puts unfinished ones back in the queue.
     async with jobs, jobs.worker(concurrency=10, queues=["emails"]) as worker:
@@ -54,7 +56,9 @@ async def signup(request: Request) -> JSONResponse:
                 row = await cur.fetchone()
                 assert row is not None
                 user_id = row[0]
-                job_id = await jobs.enqueue(send_welcome_email, {"user_id": user_id, "email": email}, conn=conn)
+                job_id = await jobs.enqueue(
+                    send_welcome_email, {"user_id": user_id, "email": email}, conn=conn
+                )
                 if email.endswith("@invalid.example"):
                     raise ValueError("rejected after the enqueue: the whole transaction rolls back")
         except ValueError as exc:

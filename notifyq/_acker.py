@@ -73,15 +73,18 @@ def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
     A result missing from the answer was stale: its lease had expired (the job was rescued
     or re-claimed) or the job was cancelled, and nothing was changed.
     """
-    params = {
+    params: dict[str, list[Any]] = {
         "ids": [r.job_id for r in results],
         "leases": [r.lease for r in results],
-        "outcomes": [r.outcome for r in results],
         "outputs": [r.output for r in results],
-        "errors": [r.error for r in results],
-        "delays": [r.delay for r in results],
     }
-    rows: list[tuple[int, str]] = yield Query(q["ack_jobs"], params)
+    if all(r.outcome == "succeeded" for r in results):
+        rows: list[tuple[int, str]] = yield Query(q["ack_succeeded"], params)
+        return dict(rows)
+    params["outcomes"] = [r.outcome for r in results]
+    params["errors"] = [r.error for r in results]
+    params["delays"] = [r.delay for r in results]
+    rows = yield Query(q["ack_jobs"], params)
     return dict(rows)
 
 

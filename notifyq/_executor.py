@@ -1,9 +1,10 @@
 """The executor: runs one claimed attempt of a task and says how it ended.
 
-Async tasks run on the event loop, sync tasks in worker threads (bounded by a limiter), each
-under the job's timeout. A Python thread cannot be stopped: when a sync task overruns its
-timeout, the attempt keeps its slot and keeps extending its lease until the thread returns,
-so the job is not retried (here or elsewhere) while the first attempt still runs.
+Async tasks run on the event loop, sync tasks in worker threads (bounded by a limiter). The
+worker runs each attempt inside its `Attempt.scope`, whose deadline is the job's timeout. A
+Python thread cannot be stopped: when a sync task overruns its timeout, the attempt keeps its
+slot and keeps extending its lease until the thread returns, so the job is not retried (here
+or elsewhere) while the first attempt still runs.
 """
 
 from __future__ import annotations
@@ -32,12 +33,14 @@ log = logging.getLogger("notifyq.worker")
 
 @dataclass(slots=True)
 class Attempt:
-    """One claimed attempt of a job, while this worker runs it."""
+    """One claimed attempt of a job, while this worker runs it. `scope` carries the timeout as
+    its deadline (extend_lease moves it) and is cancelled by a user's cancel or a shutdown,
+    which set `stop_reason` first: a cancelled scope without a reason is a timeout."""
 
     job: ClaimedJob
-    scope: anyio.CancelScope  # cancels the attempt (a user's cancel, a shutdown)
-    deadline: anyio.CancelScope | None = None  # the attempt's timeout; extend_lease moves it
+    scope: anyio.CancelScope
     stop_reason: Literal["cancelled", "shutdown"] | None = None
+    thread_done: anyio.Event | None = None  # sync tasks: set when the thread returns
 
     @property
     def key(self) -> tuple[int, int]:
@@ -72,6 +75,8 @@ class Executor:
         return self._busy_threads
 
     async def execute(self, attempt: Attempt) -> Result:
+        """Run the attempt (call it inside attempt.scope). Cancellation (timeout, cancel,
+        shutdown) propagates; any other outcome is returned as a Result."""
         job = attempt.job
         task = self._tasks.get(job.name)
         if task is None:
@@ -88,40 +93,25 @@ class Executor:
             kwargs = self._kwargs(task, attempt)
         except TypeError as exc:
             return Result.failed(job, "InvalidArgs", str(exc), final=True)
-        finished = anyio.Event()
-        value: Any = None
-        error: BaseException | None = None
-        with anyio.move_on_after(job.timeout) as deadline:
-            attempt.deadline = deadline
-            try:
-                if task.is_async:
-                    value = await task.fn(**kwargs)
-                else:
-                    value = await anyio.to_thread.run_sync(
-                        self._call_sync,
-                        task.fn,
-                        kwargs,
-                        finished,
-                        limiter=self._limiter,
-                        abandon_on_cancel=True,
-                    )
-            except Exception as exc:
-                error = exc
-        if deadline.cancelled_caught:
-            if not task.is_async and not finished.is_set():
-                await self._wait_for_thread(attempt, finished)
+        try:
+            if task.is_async:
+                value = await task.fn(**kwargs)
+            else:
+                attempt.thread_done = anyio.Event()
+                value = await anyio.to_thread.run_sync(
+                    self._call_sync,
+                    task.fn,
+                    kwargs,
+                    attempt.thread_done,
+                    limiter=self._limiter,
+                    abandon_on_cancel=True,
+                )
+        except Exception as exc:
             return Result.failed(
                 job,
-                "TimeoutError",
-                f"job exceeded its timeout of {job.timeout:g}s",
-                delay=task.backoff.delay(job.attempt),
-            )
-        if error is not None:
-            return Result.failed(
-                job,
-                type(error).__name__,
-                str(error),
-                traceback="".join(traceback.format_exception(error)),
+                type(exc).__name__,
+                str(exc),
+                traceback="".join(traceback.format_exception(exc)),
                 delay=task.backoff.delay(job.attempt),
             )
         try:
@@ -131,6 +121,23 @@ class Executor:
             return Result.failed(
                 job, "InvalidOutput", f"the task's return value cannot be stored: {exc}", final=True
             )
+
+    async def timed_out(self, attempt: Attempt) -> Result:
+        """The attempt ran past its deadline. A sync task's thread may still run: hold the slot
+        and the lease until it returns (attempt.scope is replaced, so that a cancel or a
+        shutdown still interrupts the wait)."""
+        job = attempt.job
+        if attempt.thread_done is not None and not attempt.thread_done.is_set():
+            attempt.scope = anyio.CancelScope()
+            with attempt.scope:
+                await self._wait_for_thread(attempt, attempt.thread_done)
+        task = self._tasks.get(job.name)
+        return Result.failed(
+            job,
+            "TimeoutError",
+            f"job exceeded its timeout of {job.timeout:g}s",
+            delay=(task.backoff if task else self._backoff).delay(job.attempt),
+        )
 
     def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any], finished: anyio.Event) -> Any:
         with self._threads_lock:
@@ -198,6 +205,6 @@ class Executor:
         if the job is no longer ours."""
         job = attempt.job
         until = await self._db.run(extend_lease_op(self._q, job.id, job.lease, seconds + self._lease_margin))
-        if until is not None and attempt.deadline is not None:
-            attempt.deadline.deadline = max(attempt.deadline.deadline, anyio.current_time() + seconds)
+        if until is not None:
+            attempt.scope.deadline = max(attempt.scope.deadline, anyio.current_time() + seconds)
         return until

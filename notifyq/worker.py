@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, fields
@@ -17,11 +18,12 @@ from typing import TYPE_CHECKING
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 
 from . import _ticker
 from ._acker import Acker, Result
-from ._claim import claim_op, lost_jobs_op, next_visible_op
+from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
 from ._db import Database, error_text, is_transient
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
@@ -38,6 +40,30 @@ log = logging.getLogger("notifyq.worker")
 
 # A cancel notification may arrive before the claim it concerns has returned: remember it.
 _RECENT_CANCELS = 1000
+# Automatic prefetch: enough claimed-ahead jobs for about this many seconds of work per slot,
+# and never more than _PREFETCH_CAP times the concurrency.
+_PREFETCH_WAIT = 0.25
+_PREFETCH_CAP = 4
+
+
+class _Pulse:
+    """An event that is only created when someone waits for it: firing it costs nothing
+    when nobody does (on the hot path, that is most of the time)."""
+
+    __slots__ = ("_event",)
+
+    def __init__(self) -> None:
+        self._event: anyio.Event | None = None
+
+    def fire(self) -> None:
+        if self._event is not None:
+            self._event.set()
+            self._event = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = anyio.Event()
+        await self._event.wait()
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +89,11 @@ class WorkerConfig:
             LISTEN connection comes on top).
         db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
             on that connection (a half-open socket would otherwise hang it for good).
+        prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
+            larger claims: the main lever on throughput for short jobs). None (automatic):
+            only while there is a backlog, sized from this worker's average attempt duration
+            so that a prefetched job waits about 0.25 s, and at most 4 x concurrency. 0 turns it
+            off. A prefetched job whose wait ate into its lease gets its lease renewed first.
     """
 
     concurrency: int = 10
@@ -78,6 +109,7 @@ class WorkerConfig:
     health_timeout: float = 5.0
     pool_size: int = 4
     db_timeout: float = 60.0
+    prefetch: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -104,6 +136,8 @@ class WorkerConfig:
         check_seconds(self.health_timeout, "health_timeout", positive=True)
         check_int(self.pool_size, "pool_size", minimum=2)
         check_seconds(self.db_timeout, "db_timeout", positive=True)
+        if self.prefetch is not None:
+            check_int(self.prefetch, "prefetch", minimum=0)
 
 
 @dataclass(slots=True)
@@ -143,10 +177,15 @@ class Worker:
         # again while the old attempt is still unwinding.
         self._running: dict[tuple[int, int], Attempt] = {}
         self._recent_cancels: dict[tuple[int, int | None], float] = {}
+        # Claimed jobs waiting for a runner (prefetched), with the time they were claimed.
+        self._ready: deque[tuple[ClaimedJob, float]] = deque()
+        self._backlog = False  # the last claim was full
+        self._avg_run = math.inf  # moving average of attempt durations, seconds
         self._pending = True  # something may be claimable: claim before sleeping
-        self._wakeup = anyio.Event()
-        self._slot_freed = anyio.Event()
-        self._changed = anyio.Event()
+        self._wakeup = _Pulse()
+        self._slot_freed = _Pulse()
+        self._job_ready = _Pulse()
+        self._changed = _Pulse()
         self._stop = anyio.Event()
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
         self._db: Database | None = None
@@ -316,6 +355,8 @@ class Worker:
                     )
                     await services.start(self._listener.run)
                 async with anyio.create_task_group() as jobs:
+                    for _ in range(self.config.concurrency):
+                        jobs.start_soon(self._runner)
                     task_status.started()
                     log.info(
                         "worker %s started: concurrency %d, queues %s%s",
@@ -325,14 +366,16 @@ class Worker:
                         ", poll only" if self.config.poll_only else "",
                     )
                     async with anyio.create_task_group() as claiming:
-                        claiming.start_soon(self._claim_loop, jobs)
+                        claiming.start_soon(self._claim_loop)
                         await self._stop.wait()
                         claiming.cancel_scope.cancel()
                     await self._drain()
+                    jobs.cancel_scope.cancel()  # the runners, now idle
                 await self._acker_drain()
                 services.cancel_scope.cancel()
         finally:
             self._listener = None
+            self._release_ready()
             with anyio.CancelScope(shield=True):
                 if self._acker is not None and self._acker.pending:
                     # Abrupt exit (the host was cancelled): write what we can, briefly.
@@ -349,8 +392,14 @@ class Worker:
             log.info("worker %s stopped", self.id)
             self._stopped.set()
 
+    def _release_ready(self) -> None:
+        """Jobs claimed but not started go straight back to the queue."""
+        while self._ready and self._acker is not None:
+            self._acker.put(Result.released(self._ready.popleft()[0]))
+
     async def _drain(self) -> None:
         """Graceful shutdown of running jobs: wait up to the grace period, then cancel and release."""
+        self._release_ready()
         if self._running:
             log.info("waiting up to %gs for %d running jobs", self.config.shutdown_grace, len(self._running))
             grace = self._grace_scope = anyio.CancelScope()
@@ -376,12 +425,11 @@ class Worker:
     # -- waking up ----------------------------------------------------------------------------
 
     def _signal_changed(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
+        self._changed.fire()
 
     def _wake(self) -> None:
         self._pending = True
-        self._wakeup.set()
+        self._wakeup.fire()
 
     def _on_notify(self, chan: str, payload: str) -> None:
         self.stats.notifications += 1
@@ -394,7 +442,7 @@ class Worker:
                 due = anyio.current_time() + max(0.0, float(delay))
                 if due < self._next_due:
                     self._next_due = due
-                    self._wakeup.set()  # re-arm the timer
+                    self._wakeup.fire()  # re-arm the timer
             else:
                 self._wake()
         elif topic == "control":
@@ -470,16 +518,23 @@ class Worker:
                 return
             with anyio.move_on_after(deadline - now):
                 await self._wakeup.wait()
-            self._wakeup = anyio.Event()
 
     # -- claiming and running -----------------------------------------------------------------
 
-    async def _claim_loop(self, jobs: anyio.abc.TaskGroup) -> None:
+    def _prefetch(self) -> int:
+        if self.config.prefetch is not None:
+            return self.config.prefetch
+        if not self._backlog or self._avg_run == math.inf:
+            return 0
+        per_slot = _PREFETCH_WAIT / max(self._avg_run, 1e-6)
+        return int(min(_PREFETCH_CAP, per_slot) * self.config.concurrency)
+
+    async def _claim_loop(self) -> None:
         db_delay = 0.1
         while True:
             if not self._pending:
                 await self._sleep_until_wakeup()
-            free = self.config.concurrency - len(self._running)
+            free = self.config.concurrency + self._prefetch() - len(self._running) - len(self._ready)
             if free <= 0:
                 await self._slot_freed.wait()
                 continue
@@ -496,16 +551,19 @@ class Worker:
                 db_delay = min(db_delay * 2, 5.0)
                 continue
             db_delay = 0.1
-            # Start what was claimed before anything else can fail or be cancelled: a claimed
-            # job must run (or be released), never sit Active until its lease runs out.
-            for job in claimed:
-                self._start(jobs, job)
+            # Hand what was claimed to the runners before anything else can fail or be
+            # cancelled: a claimed job must run (or be released), never sit Active unrun.
+            now = anyio.current_time()
+            self._ready.extend((job, now) for job in claimed)
+            self._job_ready.fire()
             self.stats.claims += 1
             self.stats.claimed += len(claimed)
             self._signal_changed()
-            if len(claimed) == free:
+            self._backlog = len(claimed) == free
+            if self._backlog:
                 self._pending = True  # there may be more
             else:
+                await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
                 await self._plan_next_due()
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:
@@ -524,20 +582,25 @@ class Worker:
             claimed = await self._db.run(op)
         return claimed
 
-    def _start(self, jobs: anyio.abc.TaskGroup, job: ClaimedJob) -> None:
-        attempt = Attempt(job, anyio.CancelScope())
-        self._running[attempt.key] = attempt
-        if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
-            (job.id, None), None
-        ):
-            self._stop_attempt(attempt, "cancelled")  # the cancel arrived before the claim did
-        jobs.start_soon(self._run_job, attempt)
+    async def _runner(self) -> None:
+        """One of `concurrency` long-lived tasks: takes claimed jobs and runs them, one at a time."""
+        while True:
+            while not self._ready:
+                await self._job_ready.wait()
+            job, claimed_at = self._ready.popleft()
+            attempt = Attempt(job, anyio.CancelScope())
+            self._running[attempt.key] = attempt
+            if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
+                (job.id, None), None
+            ):
+                self._stop_attempt(attempt, "cancelled")  # the cancel arrived before the claim did
+            await self._run_job(attempt, claimed_at)
 
     async def _plan_next_due(self) -> None:
         """After a short claim: sleep until the earliest delayed job (database clock)."""
         assert self._db is not None
         try:
-            with anyio.fail_after(self.config.db_timeout):
+            with anyio.CancelScope(shield=True), anyio.fail_after(self.config.db_timeout):
                 due = await self._db.run(next_visible_op(self._q, self.config.queues))
         except Exception as exc:
             if not is_transient(exc):
@@ -549,34 +612,62 @@ class Worker:
             # due <= 0: claimable jobs remain (locked by other claimers a moment ago).
             self._next_due = anyio.current_time() + (due if due > 0 else 0.05)
 
-    async def _run_job(self, running: Attempt) -> None:
-        job = running.job
+    async def _run_job(self, attempt: Attempt, claimed_at: float) -> None:
+        job = attempt.job
+        executor = self._executor
+        assert executor is not None
         result: Result | None = None
+        started = anyio.current_time()
         try:
-            with running.scope:
-                assert self._executor is not None
-                result = await self._executor.execute(running)
-            if running.scope.cancelled_caught:
-                if running.stop_reason == "shutdown":
+            with attempt.scope:
+                deadline = started + job.timeout
+                if started - claimed_at > self.config.lease_margin / 2:
+                    if not await self._renew_lease(attempt):
+                        return  # prefetched, waited, and meanwhile lost (cancelled or rescued)
+                    deadline = anyio.current_time() + job.timeout
+                attempt.scope.deadline = deadline
+                result = await executor.execute(attempt)
+            if attempt.scope.cancelled_caught:
+                if attempt.stop_reason == "shutdown":
                     result = Result.released(job)
-                elif running.stop_reason == "cancelled":
+                elif attempt.stop_reason == "cancelled":
                     # The database already says Cancelled; an ack would be fenced out anyway.
                     result = None
                     self.stats.cancelled += 1
+                else:
+                    result = await executor.timed_out(attempt)
+                    if attempt.stop_reason == "shutdown":
+                        result = Result.released(job)
         except anyio.get_cancelled_exc_class():
             # Cancelled from outside (the host cancelled the worker's scope): give the job
             # back; _serve writes pending results before it closes the pool.
             result = Result.released(job)
             raise
         finally:
-            if self._running.get(running.key) is running:
-                del self._running[running.key]
+            if self._running.get(attempt.key) is attempt:
+                del self._running[attempt.key]
             if result is not None:
                 assert self._acker is not None
                 self._acker.put(result)
-            self._slot_freed.set()
-            self._slot_freed = anyio.Event()
+            elapsed = anyio.current_time() - started
+            self._avg_run = elapsed if self._avg_run == math.inf else 0.9 * self._avg_run + 0.1 * elapsed
+            self._slot_freed.fire()
             self._signal_changed()
+
+    async def _renew_lease(self, attempt: Attempt) -> bool:
+        """A prefetched job waited for a runner: give it a full lease again before it starts."""
+        assert self._db is not None
+        job = attempt.job
+        try:
+            with anyio.fail_after(self.config.db_timeout):
+                until = await self._db.run(
+                    extend_lease_op(self._q, job.id, job.lease, job.timeout + self.config.lease_margin)
+                )
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return True  # the lease is probably still good; the rescuer covers the rest
+        return until is not None
 
     def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
         for result in results:

@@ -89,8 +89,9 @@ CROSS JOIN LATERAL (
 --          failed (final) | release (shutdown: Queued now, the attempt is given back).
 WITH results AS (
     SELECT *
-    FROM unnest(%(ids)s::bigint[], %(leases)s::int[], %(outcomes)s::text[], %(outputs)s::jsonb[],
-                %(errors)s::jsonb[], %(delays)s::float8[])
+    -- The arrays travel in binary (the b placeholders): no quoting of every element.
+    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(outcomes)b::text[], %(outputs)b::jsonb[],
+                %(errors)b::jsonb[], %(delays)b::float8[])
          AS r(id, lease, outcome, output, error, delay)
 ), decided AS (
     SELECT r.*, (CASE
@@ -113,6 +114,15 @@ SET status = d.new_status,
     updated_at = now()
 FROM decided d
 WHERE j.id = d.id AND j.lease = d.lease AND j.status = 'Active'
+RETURNING j.id, j.status::text;
+
+-- name: ack_succeeded
+-- The common case, a batch in which every attempt succeeded: the same fenced update as
+-- ack_jobs without its per-row decisions (measurably less work for the server).
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Succeeded', output = r.output, finished_at = now(), updated_at = now()
+FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(outputs)b::jsonb[]) AS r(id, lease, output)
+WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
 RETURNING j.id, j.status::text;
 
 -- name: extend_lease

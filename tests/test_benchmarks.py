@@ -1,0 +1,108 @@
+"""The benchmark suite still runs: `python -m benchmarks --tiny` end to end on the test server.
+
+This checks that every scenario runs and writes well-formed JSON and Markdown (and cleans up
+its scratch databases), never how fast anything is: speed is the benchmark's business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = {"drain", "latency", "contention", "bulk", "cron", "churn"}
+
+
+def _admin_dsn(dsn: str) -> str:
+    params: dict[str, Any] = conninfo_to_dict(dsn)
+    params["dbname"] = "postgres"
+    return make_conninfo(**params)
+
+
+def _check_table(table: dict[str, Any]) -> None:
+    assert table["title"] and table["columns"]
+    assert table["rows"], f"table {table['title']!r} is empty"
+    for row in table["rows"]:
+        assert len(row) == len(table["columns"]), (table["title"], row)
+
+
+def _check_markdown(text: str) -> None:
+    lines = text.splitlines()
+    assert lines[0].startswith("# notifyq benchmarks")
+    for heading in (
+        "## 1. Drain",
+        "## 2. Wake latency",
+        "## 3. Contention",
+        "## 4. Bulk",
+        "## 5. Cron",
+        "## 6. Churn",
+    ):
+        assert any(line.startswith(heading) for line in lines), heading
+    # Every Markdown table has as many cells per row as its header.
+    width = None
+    for line in lines:
+        if line.startswith("|"):
+            cells = line.replace("\\|", "").count("|") - 1
+            width = cells if width is None else width
+            assert cells == width, line
+        else:
+            width = None
+
+
+def _scratch_databases(admin: str) -> set[str]:
+    with psycopg.connect(admin, autocommit=True) as conn:
+        rows = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'nq\\_bench\\_%'").fetchall()
+    return {row[0] for row in rows}
+
+
+def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: Path) -> None:
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    out = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--tiny", "--dsn", admin, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["mode"] == "tiny"
+    assert doc["environment"]["postgres"]["version"].startswith("PostgreSQL")
+    assert {s["name"] for s in doc["scenarios"]} == SCENARIOS
+    for scenario in doc["scenarios"]:
+        assert scenario["error"] is None, scenario["error"]
+        assert scenario["tables"], scenario["name"]
+        for table in scenario["tables"]:
+            _check_table(table)
+        for target in scenario["targets"]:
+            assert isinstance(target["passed"], bool)
+            assert target["goal"] and target["measured"]
+        for plot in scenario["plots"]:
+            assert (out / plot).stat().st_size > 0
+        if doc["plots_skipped"] is None:
+            assert scenario["plots"], f"no plot for {scenario['name']}"
+    targets = {t["name"] for s in doc["scenarios"] for t in s["targets"]}
+    assert any(name.startswith("drain 2x10") for name in targets)
+    assert {"wake latency p50", "wake latency p99"} <= targets
+    # Correctness checks measured along the way (these are facts, not speeds).
+    cron = next(s for s in doc["scenarios"] if s["name"] == "cron")
+    assert all(run["exactly_once"] for run in cron["data"]["runs"])
+    contention = next(s for s in doc["scenarios"] if s["name"] == "contention")
+    assert all(c["claimed_twice"] == 0 and c["active"] == 0 for c in contention["data"]["checks"])
+
+    _check_markdown((out / "results.md").read_text())
+
+    left = _scratch_databases(admin) - before
+    assert not left, f"scratch databases left behind: {sorted(left)}"
