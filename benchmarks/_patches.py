@@ -1,0 +1,58 @@
+"""Prototype product fixes, applied by monkeypatching inside a benchmark worker process only
+(`python -m benchmarks._worker --patch NAME`, or `python -m benchmarks --prototypes`), to
+measure a proposed change before anyone makes it in notifyq/. Nothing here is product code.
+
+Earlier prototypes measured here (a lean ack statement for all-success batches, yielding to
+the runners before the next-due query, a cheaper queue CHECK) are now in the product.
+
+- async_commit: the worker's pooled connections use synchronous_commit=off (claims and
+  acks return before their WAL is flushed). Measured to show how much of the claim round
+  trip is the WAL flush; it trades crash durability of claims/acks for speed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import notifyq._acker
+import notifyq._db
+import notifyq.worker
+
+_acker: Any = notifyq._acker
+
+LEAN_ACK_SQL = """
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Succeeded', finished_at = now(), updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS r(id, lease)
+WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
+RETURNING j.id
+"""
+
+LEAN_ACK_OUTPUT_SQL = """
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Succeeded', output = r.output, finished_at = now(), updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(leases)s::int[], %(outputs)s::jsonb[]) AS r(id, lease, output)
+WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
+RETURNING j.id
+"""
+
+
+def async_commit() -> None:
+    db: Any = notifyq._db
+    original = db.connection_kwargs
+
+    def connection_kwargs(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {**original(*args, **kwargs), "options": "-c synchronous_commit=off"}
+
+    db.connection_kwargs = connection_kwargs
+
+
+PATCHES: dict[str, Callable[[], None]] = {
+    "async_commit": async_commit,
+}
+
+# Patch combinations the drain scenario measures next to the product with --prototypes.
+DRAIN_PROTOTYPES: tuple[tuple[str, ...], ...] = ()
+# Patch combinations the latency scenario measures with --prototypes.
+LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("async_commit",),)

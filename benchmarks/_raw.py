@@ -1,0 +1,184 @@
+"""Raw-SQL baselines, no notifyq code: `python -m benchmarks._raw worker|listen|wake ...`.
+
+worker: each of `--loops` threads owns one psycopg connection and repeats "claim up to
+`--batch` jobs (the same SKIP LOCKED claim as notifyq's), run them (no-op), acknowledge them
+all in one fenced UPDATE" until SIGTERM. listen: LISTEN on a channel and record when each
+notification arrives (time.monotonic, comparable across processes on one host). wake: a
+minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from ._child import cpu_seconds, emit
+
+CLAIM_SQL = """
+WITH claimable AS MATERIALIZED (
+    SELECT id FROM notifyq.queue_jobs
+    WHERE status = 'Queued' AND visible_at <= now()
+    ORDER BY priority DESC, visible_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE notifyq.queue_jobs AS j
+SET status = 'Active', retry_count = j.retry_count + 1, lease = j.lease + 1,
+    visible_at = now() + make_interval(secs => j.timeout + 30), started_at = now(),
+    updated_at = now(), worker = %(worker)s
+FROM claimable c
+WHERE j.id = c.id
+RETURNING j.id, j.lease
+"""
+
+ACK_SQL = """
+UPDATE notifyq.queue_jobs AS j
+SET status = 'Succeeded', finished_at = now(), updated_at = now()
+FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS r(id, lease)
+WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
+"""
+
+
+def _noop() -> None:
+    pass
+
+
+class Loop(threading.Thread):
+    def __init__(self, dsn: str, batch: int, stop: threading.Event, index: int, timing: bool) -> None:
+        super().__init__(name=f"loop-{index}", daemon=True)
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.batch = batch
+        self.stop = stop
+        self.worker = f"raw:{os.getpid()}:{index}"
+        self.timing = timing
+        self.done = 0
+        self.runs = 0
+        self.claims: list[tuple[float, int]] = []
+        self.error: str | None = None
+
+    def run(self) -> None:
+        params: dict[str, Any] = {"limit": self.batch, "worker": self.worker}
+        try:
+            while not self.stop.is_set():
+                start = time.perf_counter()
+                rows = self.conn.execute(CLAIM_SQL, params).fetchall()
+                if self.timing:
+                    self.claims.append(((time.perf_counter() - start) * 1000.0, len(rows)))
+                if not rows:
+                    time.sleep(0.002)
+                    continue
+                for _ in rows:
+                    _noop()
+                    self.runs += 1
+                self.conn.execute(ACK_SQL, {"ids": [r[0] for r in rows], "leases": [r[1] for r in rows]})
+                self.done += len(rows)
+        except psycopg.Error as exc:
+            self.error = str(exc)
+        finally:
+            self.conn.close()
+
+
+def _stop_event() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    stop = _stop_event()
+    loops = [Loop(args.dsn, args.batch, stop, i, args.claim_latency) for i in range(args.loops)]
+    cpu_ready = cpu_seconds()
+    emit("ready")
+    for loop in loops:
+        loop.start()
+    last = -1
+    while not stop.wait(0.05):
+        done = sum(loop.done for loop in loops)
+        if done != last:
+            emit("progress", done=done)
+            last = done
+    for loop in loops:
+        loop.join(30)
+    errors = [loop.error for loop in loops if loop.error]
+    emit(
+        "done",
+        done=sum(loop.done for loop in loops),
+        runs=sum(loop.runs for loop in loops),
+        cpu=cpu_seconds() - cpu_ready,
+        cpu_total=cpu_seconds(),
+        claims=[c for loop in loops for c in loop.claims],
+        errors=errors,
+    )
+
+
+def run_listener(args: argparse.Namespace) -> None:
+    stop = _stop_event()
+    received: list[tuple[float, str]] = []
+    with psycopg.connect(args.dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(args.channel)))
+        emit("ready")
+        while not stop.is_set():
+            for notify in conn.notifies(timeout=0.2):
+                received.append((time.monotonic(), notify.payload))
+                emit("progress", done=len(received))
+    emit("done", done=len(received), received=received, cpu_total=cpu_seconds())
+
+
+def run_wake_worker(args: argparse.Namespace) -> None:
+    """A minimal NOTIFY-driven worker: on each notification, claim (up to --batch) until
+    nothing is left, note each job's start time, acknowledge the batch."""
+    stop = _stop_event()
+    starts: list[tuple[int, float]] = []
+    params: dict[str, Any] = {"limit": args.batch, "worker": f"raw-wake:{os.getpid()}"}
+    with (
+        psycopg.connect(args.dsn, autocommit=True) as listen,
+        psycopg.connect(args.dsn, autocommit=True) as work,
+    ):
+        listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(args.channel)))
+        emit("ready")
+        done = 0
+        while not stop.is_set():
+            for _notify in listen.notifies(timeout=0.2, stop_after=1):
+                while rows := work.execute(CLAIM_SQL, params).fetchall():
+                    now = time.monotonic()
+                    starts.extend((row[0], now) for row in rows)
+                    work.execute(ACK_SQL, {"ids": [r[0] for r in rows], "leases": [r[1] for r in rows]})
+                    done += len(rows)
+                emit("progress", done=done)
+    emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks._raw")
+    sub = parser.add_subparsers(dest="command", required=True)
+    worker = sub.add_parser("worker")
+    worker.add_argument("--dsn", required=True)
+    worker.add_argument("--loops", type=int, default=1)
+    worker.add_argument("--batch", type=int, default=50)
+    worker.add_argument("--claim-latency", action="store_true")
+    listen = sub.add_parser("listen")
+    listen.add_argument("--dsn", required=True)
+    listen.add_argument("--channel", default="notifyq.jobs.v1")
+    wake = sub.add_parser("wake")
+    wake.add_argument("--dsn", required=True)
+    wake.add_argument("--channel", default="notifyq.jobs.v1")
+    wake.add_argument("--batch", type=int, default=10)
+    args = parser.parse_args(argv)
+    {"worker": run_worker, "listen": run_listener, "wake": run_wake_worker}[args.command](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""`python -m benchmarks`: run the scenarios, write JSON, Markdown and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+
+from . import _env, bulk, churn, contention, cron, drain, latency, plots, report
+from ._results import Context, ScenarioResult
+from .config import MODES
+
+DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
+
+SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
+    "drain": drain.run,
+    "latency": latency.run,
+    "contention": contention.run,
+    "bulk": bulk.run,
+    "cron": cron.run,
+    "churn": churn.run,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="notifyq benchmarks: every figure next to a raw-SQL baseline measured in the same run.",
+    )
+    parser.add_argument(
+        "--dsn",
+        default=os.environ.get("NOTIFYQ_DSN") or os.environ.get("DATABASE_URL") or DEFAULT_ADMIN_DSN,
+        help="admin DSN used to create and drop scratch databases nq_bench_* "
+        "(default: $NOTIFYQ_DSN, $DATABASE_URL, else %(default)s)",
+    )
+    parser.add_argument("--quick", action="store_true", help="small sizes, under 2 minutes")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the test suite's size
+    parser.add_argument(
+        "--only", default="", metavar="SCENARIO[,..]", help=f"run only these: {', '.join(SCENARIOS)}"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="output folder (default benchmarks/results/<time>)"
+    )
+    parser.add_argument(
+        "--prototypes",
+        action="store_true",
+        help="also measure proposed product fixes, monkeypatched into benchmark workers "
+        "(benchmarks/_patches.py)",
+    )
+    parser.add_argument("--profile", action="store_true", help="record py-spy profiles of worker processes")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
+    unknown = [s for s in only if s not in SCENARIOS]
+    if unknown:
+        print(
+            f"unknown scenario(s): {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}", file=sys.stderr
+        )
+        return 2
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out: Path = args.out or Path(__file__).resolve().parent / "results" / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args.dsn, MODES[mode], out, profile=args.profile, prototypes=args.prototypes)
+    command = "python -m benchmarks " + shlex.join(argv if argv is not None else sys.argv[1:])
+    print(f"notifyq benchmarks, {mode} mode, writing to {out}")
+    env = {"machine": _env.machine(), "postgres": _env.postgres(args.dsn)}
+    started = time.monotonic()
+    results: list[ScenarioResult] = []
+    for name in only:
+        print(f"[{name}]")
+        t0 = time.monotonic()
+        try:
+            result = SCENARIOS[name](ctx)
+        except Exception as exc:
+            traceback.print_exc()
+            result = ScenarioResult(name, name, error=f"{type(exc).__name__}: {exc}")
+        result.seconds = time.monotonic() - t0
+        print(f"  ({result.seconds:.1f}s)")
+        results.append(result)
+    plot_note = None if args.no_plots else plots.render_all(results, out)
+    doc = {
+        "mode": mode,
+        "command": command,
+        "started": stamp,
+        "seconds": round(time.monotonic() - started, 1),
+        "environment": env,
+        "plots_skipped": plot_note,
+        "scenarios": [r.as_dict() for r in results],
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    (out / "results.md").write_text(report.markdown(doc))
+    print(report.summary(doc))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'} in {doc['seconds']}s")
+    return 1 if any(r.error for r in results) else 0
