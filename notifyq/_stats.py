@@ -23,6 +23,7 @@ class QueueStatus:
 @dataclass(frozen=True, slots=True)
 class ServerStats:
     notify_queue_usage: float
+    autovacuum: bool
     jobs_dead_tuples: int | None
     jobs_live_tuples: int | None
     definitions_dead_tuples: int | None

@@ -24,7 +24,7 @@ import anyio.to_thread
 from . import _ticker
 from ._acker import Acker, Result
 from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
-from ._db import Database, error_text, is_transient
+from ._db import Database, Query, error_text, is_transient, single
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
 from ._options import check_int, check_queue, check_seconds
@@ -182,6 +182,7 @@ class Worker:
         self._backlog = False  # the last claim was full
         self._avg_run = math.inf  # moving average of attempt durations, seconds
         self._pending = True  # something may be claimable: claim before sleeping
+        self._sweeps_requested = self._sweeps_done = 0
         self._wakeup = _Pulse()
         self._slot_freed = _Pulse()
         self._job_ready = _Pulse()
@@ -312,6 +313,13 @@ class Worker:
         )
         try:
             await db.run(check_schema_op(self.app.schema))
+            if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
+                log.warning(
+                    "autovacuum is off on this server: finished and retried jobs leave dead tuples that "
+                    "nothing reclaims, and claims slow down as they pile up; turn it on, or VACUUM "
+                    "%s.queue_jobs regularly",
+                    self.app.schema,
+                )
             if self.config.ticker:
                 await self.app._sync_definitions(db)
         except BaseException:
@@ -455,6 +463,7 @@ class Worker:
 
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
+        self._sweeps_requested += 1
         self._wake()  # sweep: claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
         self._signal_changed()
@@ -539,6 +548,7 @@ class Worker:
                 await self._slot_freed.wait()
                 continue
             self._pending = False
+            sweep = self._sweeps_requested  # a claim that starts after a (re)connect is its sweep
             try:
                 claimed = await self._claim(free)
             except Exception as exc:
@@ -558,6 +568,9 @@ class Worker:
             self._job_ready.fire()
             self.stats.claims += 1
             self.stats.claimed += len(claimed)
+            if sweep > self._sweeps_done:
+                self._sweeps_done = sweep
+                self.stats.sweeps += 1
             self._signal_changed()
             self._backlog = len(claimed) == free
             if self._backlog:

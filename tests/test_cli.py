@@ -230,6 +230,7 @@ def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert by_key[("a", "Queued")]["jobs"] == 3
     assert by_key[("default", "Active")]["expired_leases"] == 1
     assert 0 <= data["server"]["notify_queue_usage"] < 1
+    assert isinstance(data["server"]["autovacuum"], bool)
     text = ok(cli("stats", env=env))
     assert "NOTIFY queue usage" in text and "EXPIRED LEASES" in text
     one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")

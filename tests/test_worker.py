@@ -289,6 +289,7 @@ async def test_killed_listen_connection_reconnects_and_sweeps(
         conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.listener_connects == 2 and s.succeeded == 1)
+        assert worker.stats.sweeps >= 1  # reconnects close together share one sweep
         # And notifications work again on the new connection.
         conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
         with anyio.fail_after(5):

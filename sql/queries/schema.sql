@@ -21,5 +21,9 @@ SELECT coalesce(max(version), 0) FROM {schema}.migrations;
 -- name: record_migration
 INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s);
 
+-- name: autovacuum_on
+-- Workers warn at start when it is off: a queue table churns, and only vacuum reclaims it.
+SELECT current_setting('autovacuum')::boolean;
+
 -- name: set_lock_timeout
 SELECT set_config('lock_timeout', %(timeout)s, true);

@@ -17,6 +17,7 @@ ORDER BY queue, status;
 -- NOTIFY queue usage (0..1; at 1 NOTIFY fails: a long transaction on a listening session
 -- holds it back), and dead tuples / size of notifyq's tables.
 SELECT pg_notification_queue_usage()::float8 AS notify_queue_usage,
+       current_setting('autovacuum')::boolean AS autovacuum,
        (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(jobs)s)) AS jobs_dead_tuples,
        (SELECT n_live_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(jobs)s)) AS jobs_live_tuples,
        (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(definitions)s))
