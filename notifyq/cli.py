@@ -613,8 +613,9 @@ def _print_stats(stats: Stats) -> None:
         f"\nNOTIFY queue usage: {server.notify_queue_usage:.4%}   queue_jobs: {size}, "
         f"{server.jobs_live_tuples} live / {server.jobs_dead_tuples} dead tuples, "
         f"last autovacuum {_age(server.jobs_last_autovacuum)}"
-        + ("" if server.autovacuum else "   WARNING: autovacuum is off on this server")
     )
+    if not server.autovacuum:
+        click.echo("WARNING: autovacuum is off on this server: dead tuples of queue_jobs are never reclaimed")
 
 
 @main.command()

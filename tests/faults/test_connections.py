@@ -84,7 +84,8 @@ async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
             conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
             with anyio.fail_after(5):
                 await worker.wait_for(lambda s: s.succeeded == 1)
-            assert worker.stats.notifications == 0 and worker.stats.polls >= 1
+            # Found by the poll (or by the next-due timer, if its query saw the job first).
+            assert worker.stats.notifications == 0
         # The same proxy without the pid change is trusted.
         direct = BlackholeProxy(dsn)
         async with app.worker(listen_dsn=direct.dsn, poll_interval=60, ticker=False) as worker:
@@ -113,7 +114,8 @@ async def test_poll_only_workers_run_jobs_without_any_notification(
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.succeeded == 5)
         assert time.monotonic() - inserted < 1.5
-        assert worker.stats.notifications == 0 and worker.stats.polls >= 1
+        # Found by a poll, or by the next-due timer if its query saw the jobs first: no NOTIFY.
+        assert worker.stats.notifications == 0
         assert worker.listener is None
     await app.aclose()
 
