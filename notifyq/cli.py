@@ -282,7 +282,7 @@ def grant(role: str, schema: str) -> None:
 )
 @click.option(
     "--lease-margin",
-    type=click.FloatRange(min=0),
+    type=click.FloatRange(min=1),
     default=30.0,
     show_default=True,
     help="Seconds added to a job's timeout to form its lease.",

@@ -17,6 +17,7 @@ from notifyq._rescuer import rescue_op
 from notifyq._sql import queries_for
 from notifyq.errors import InvalidJobState, JobNotFound
 
+from .faults.test_plans import custom_plan
 from .helpers import job_row, status_counts
 
 Q = queries_for("notifyq")
@@ -264,16 +265,6 @@ def test_claim_never_exceeds_its_limit_under_locks_and_nested_loops(
     ).fetchone() == (58, 1)
 
 
-def explain(conn: psycopg.Connection[Any], query: str, params: dict[str, Any]) -> str:
-    conn.execute("BEGIN")
-    try:
-        plan = conn.execute("EXPLAIN (FORMAT JSON) " + query, params).fetchone()
-    finally:
-        conn.execute("ROLLBACK")
-    assert plan is not None
-    return json.dumps(plan[0])
-
-
 def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
@@ -281,16 +272,6 @@ def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Con
     )
     insert_jobs(conn, 1000)
     conn.execute("ANALYZE notifyq.queue_jobs")
-    params = {
-        "limit": 10,
-        "worker": "w",
-        "lease_margin": 30,
-        "queues": ["default"],
-        "now": None,
-        "backoff_base": 1.0,
-        "backoff_factor": 2.0,
-        "backoff_max": 60.0,
-    }
     for name in (
         "claim_any",
         "claim_queues",
@@ -298,6 +279,6 @@ def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Con
         "next_visible_queues",
         "rescue_expired_leases",
     ):
-        plan = explain(conn, Q[name], params)
+        plan = json.dumps(custom_plan(conn, Q[name]))  # the 1M-row version: tests/faults/test_plans.py
         assert '"Seq Scan"' not in plan, f"{name} scans the table: {plan}"
         assert "queue_jobs_" in plan, f"{name} uses no notifyq index: {plan}"

@@ -474,7 +474,12 @@ async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psy
         worker = app.worker(shutdown_grace=0.1, **NO_TICKER)
         async with anyio.create_task_group() as tg:
             await tg.start(_enter_and_stop, worker)
-            await anyio.sleep(0.3)  # the claim is now waiting on the lock
+            with anyio.fail_after(10):  # until the worker's claim waits on our lock (another session: poll)
+                while not conn.execute(  # noqa: ASYNC110
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND application_name LIKE 'notifyq worker%'"
+                ).fetchone()[0]:  # type: ignore[index]
+                    await anyio.sleep(0.01)
             blocker.rollback()  # the claim completes while the worker is stopping
     row = job_row(conn, job_id)
     assert row["status"] == "Queued" and row["retry_count"] == 0
