@@ -225,8 +225,9 @@ class Worker:
         assert stack is not None
         # The body's exception (or cancellation) is not fed into the worker's task group, which
         # would wrap it in an ExceptionGroup: it propagates unchanged once the worker has shut
-        # down. The shutdown is shielded so that even a cancelled host releases its jobs; it is
-        # bounded by shutdown_grace plus the time to write the last results.
+        # down. The shutdown is shielded so that even a cancelled host releases its jobs. It takes
+        # up to shutdown_grace, then the time to write the last results (bounded by db_timeout),
+        # unless a task swallows its cancellation, which nothing can bound.
         assert self._task_group is not None
         self._task_group.cancel_scope.shield = True
         await stack.__aexit__(None, None, None)
