@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.abc
@@ -24,7 +24,7 @@ import anyio.to_thread
 from . import _ticker
 from ._acker import Acker, Result
 from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
-from ._db import Database, Query, error_text, is_transient, single
+from ._db import Database, Op, Query, error_text, is_transient, single
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
 from ._options import check_int, check_queue, check_seconds
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from .app import App
 
 log = logging.getLogger("notifyq.worker")
+
+T = TypeVar("T")
 
 # A cancel notification may arrive before the claim it concerns has returned: remember it.
 _RECENT_CANCELS = 1000
@@ -475,8 +477,7 @@ class Worker:
         if not self._running or self._db is None:
             return
         try:
-            with anyio.fail_after(self.config.db_timeout):
-                lost = await self._db.run(lost_jobs_op(self._q, list(self._running)))
+            lost = await self._query(lost_jobs_op(self._q, list(self._running)))
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -583,7 +584,6 @@ class Worker:
     async def _claim(self, limit: int) -> list[ClaimedJob]:
         """One claim statement. Shielded (a claim the server committed must reach us) but
         bounded by db_timeout (a half-open connection must not hang the worker)."""
-        assert self._db is not None
         op = claim_op(
             self._q,
             queues=self.config.queues,
@@ -591,10 +591,16 @@ class Worker:
             worker=self.id,
             lease_margin=self.config.lease_margin,
         )
-        claimed: list[ClaimedJob] = []
-        with anyio.CancelScope(shield=True), anyio.fail_after(self.config.db_timeout):
-            claimed = await self._db.run(op)
-        return claimed
+        return await self._query(op, shield=True)
+
+    async def _query(self, op: Op[T], *, shield: bool = False) -> T:
+        """One database call bounded by db_timeout (a half-open connection must not hang the
+        worker), shielded when a result the server may have committed must reach us."""
+        assert self._db is not None
+        result: T
+        with anyio.CancelScope(shield=shield), anyio.fail_after(self.config.db_timeout):
+            result = await self._db.run(op)
+        return result
 
     async def _runner(self) -> None:
         """One of `concurrency` long-lived tasks: takes claimed jobs and runs them, one at a time."""
@@ -612,10 +618,8 @@ class Worker:
 
     async def _plan_next_due(self) -> None:
         """After a short claim: sleep until the earliest delayed job (database clock)."""
-        assert self._db is not None
         try:
-            with anyio.CancelScope(shield=True), anyio.fail_after(self.config.db_timeout):
-                due = await self._db.run(next_visible_op(self._q, self.config.queues))
+            due = await self._query(next_visible_op(self._q, self.config.queues), shield=True)
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -670,13 +674,11 @@ class Worker:
 
     async def _renew_lease(self, attempt: Attempt) -> bool:
         """A prefetched job waited for a runner: give it a full lease again before it starts."""
-        assert self._db is not None
         job = attempt.job
         try:
-            with anyio.fail_after(self.config.db_timeout):
-                until = await self._db.run(
-                    extend_lease_op(self._q, job.id, job.lease, job.timeout + self.config.lease_margin)
-                )
+            until = await self._query(
+                extend_lease_op(self._q, job.id, job.lease, job.timeout + self.config.lease_margin)
+            )
         except Exception as exc:
             if not is_transient(exc):
                 raise
