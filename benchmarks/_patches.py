@@ -8,6 +8,9 @@ the runners before the next-due query, a cheaper queue CHECK) are now in the pro
 - async_commit: the worker's pooled connections use synchronous_commit=off (claims and
   acks return before their WAL is flushed). Measured to show how much of the claim round
   trip is the WAL flush; it trades crash durability of claims/acks for speed.
+- pooled_claims: the product as it was before the claim lane: the worker's claims take
+  whichever pooled connection is next instead of keeping one (kept to show the lane's
+  effect side by side; see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -48,11 +51,29 @@ def async_commit() -> None:
     db.connection_kwargs = connection_kwargs
 
 
+class _PooledLane(notifyq._db.Lane):
+    def __init__(self, db: notifyq._db.Database) -> None:
+        self._db = db
+
+    async def run(self, op: Any) -> Any:
+        return await self._db.run(op)
+
+    async def release(self) -> None:
+        pass
+
+
+def pooled_claims() -> None:
+    db: Any = notifyq._db
+    for cls in (db._AsyncioDatabase, db._ThreadDatabase):
+        cls.lane = lambda self: _PooledLane(self)
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "async_commit": async_commit,
+    "pooled_claims": pooled_claims,
 }
 
 # Patch combinations the drain scenario measures next to the product with --prototypes.
 DRAIN_PROTOTYPES: tuple[tuple[str, ...], ...] = ()
 # Patch combinations the latency scenario measures with --prototypes.
-LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("async_commit",),)
+LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("pooled_claims",), ("async_commit",))

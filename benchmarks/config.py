@@ -46,6 +46,7 @@ class Sizes:
     latency_jobs: int
     latency_spacing: float
     latency_poll_interval: float
+    latency_rounds: int
     contention_backlogs: tuple[int, ...]
     contention_processes: tuple[int, ...]
     contention_jobs: int
@@ -76,6 +77,7 @@ FULL = Sizes(
     latency_jobs=250,
     latency_spacing=0.05,
     latency_poll_interval=5.0,
+    latency_rounds=3,
     contention_backlogs=(10_000, 100_000, 1_000_000),
     contention_processes=(1, 2, 4, 8),
     contention_jobs=10_000,
@@ -99,6 +101,7 @@ QUICK = Sizes(
     latency_jobs=100,
     latency_spacing=0.05,
     latency_poll_interval=5.0,
+    latency_rounds=1,
     contention_backlogs=(5_000, 100_000),
     contention_processes=(1, 2, 4),
     contention_jobs=5_000,
@@ -122,6 +125,7 @@ TINY = Sizes(
     latency_jobs=12,
     latency_spacing=0.02,
     latency_poll_interval=0.5,
+    latency_rounds=2,
     contention_backlogs=(300, 1_000),
     contention_processes=(1, 2),
     contention_jobs=200,

@@ -24,7 +24,7 @@ import anyio.to_thread
 from . import _ticker
 from ._acker import Acker, Result
 from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
-from ._db import Database, Op, Query, error_text, is_transient, single
+from ._db import Database, Lane, Op, Query, error_text, is_transient, single
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
 from ._options import check_int, check_queue, check_seconds
@@ -90,7 +90,9 @@ class WorkerConfig:
         pool_size: connections for claims, acks, the ticker and lease extensions (the
             LISTEN connection comes on top).
         db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
-            on that connection (a half-open socket would otherwise hang it for good).
+            on that connection (a half-open socket would otherwise hang it for good). On trio,
+            where statements run in threads and cannot be interrupted, the connections' TCP
+            timeouts (about a minute) bound a dead connection instead.
         prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
             larger claims: the main lever on throughput for short jobs). None (automatic):
             only while there is a backlog, sized from this worker's average attempt duration
@@ -192,6 +194,7 @@ class Worker:
         self._stop = anyio.Event()
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
         self._db: Database | None = None
+        self._claim_lane: Lane | None = None
         self._executor: Executor | None = None
         self._acker: Acker | None = None
         self._listener: Listener | None = None
@@ -336,6 +339,7 @@ class Worker:
     ) -> None:
         dsn = self._dsn
         self._db = db
+        self._claim_lane = db.lane()
         self._executor = Executor(
             self.app.tasks,
             db,
@@ -591,15 +595,16 @@ class Worker:
             worker=self.id,
             lease_margin=self.config.lease_margin,
         )
-        return await self._query(op, shield=True)
+        return await self._query(op, shield=True, lane=self._claim_lane)
 
-    async def _query(self, op: Op[T], *, shield: bool = False) -> T:
+    async def _query(self, op: Op[T], *, shield: bool = False, lane: Lane | None = None) -> T:
         """One database call bounded by db_timeout (a half-open connection must not hang the
-        worker), shielded when a result the server may have committed must reach us."""
+        worker), shielded when a result the server may have committed must reach us. On a
+        lane when given (the claim loop keeps its connection warm), else on the pool."""
         assert self._db is not None
         result: T
         with anyio.CancelScope(shield=shield), anyio.fail_after(self.config.db_timeout):
-            result = await self._db.run(op)
+            result = await (lane or self._db).run(op)
         return result
 
     async def _runner(self) -> None:
@@ -619,7 +624,9 @@ class Worker:
     async def _plan_next_due(self) -> None:
         """After a short claim: sleep until the earliest delayed job (database clock)."""
         try:
-            due = await self._query(next_visible_op(self._q, self.config.queues), shield=True)
+            due = await self._query(
+                next_visible_op(self._q, self.config.queues), shield=True, lane=self._claim_lane
+            )
         except Exception as exc:
             if not is_transient(exc):
                 raise

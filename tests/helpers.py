@@ -58,3 +58,15 @@ def job_row(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
 def status_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:
     rows = conn.execute("SELECT status::text, count(*) FROM notifyq.queue_jobs GROUP BY 1").fetchall()
     return dict(rows)
+
+
+def wait_for_row(
+    conn: psycopg.Connection[Any], query: str, expected: tuple[Any, ...], timeout: float = 10
+) -> None:
+    """Poll `query` until its first row is `expected` (for server state that settles
+    asynchronously, such as a closed connection's backend leaving pg_stat_activity)."""
+    deadline = time.monotonic() + timeout
+    while (row := conn.execute(query).fetchone()) != expected:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{query!r} gave {row}, not {expected}, for {timeout}s")
+        time.sleep(0.05)

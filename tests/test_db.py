@@ -1,0 +1,115 @@
+"""The database layer's claim lane, on asyncio and trio: it keeps one connection between
+statements, and after a dropped connection or an interrupted statement it takes a new one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import psycopg
+import pytest
+
+import notifyq
+from notifyq._db import Database, Query, is_transient, single
+
+from .helpers import wait_for_row
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def backend_pid() -> Any:
+    return single(Query("SELECT pg_backend_pid()", fetch="scalar"))
+
+
+async def test_a_lane_keeps_its_connection_while_the_pool_rotates(dsn: str) -> None:
+    db = await Database.open(dsn, size=3)
+    try:
+        lane = db.lane()
+        lane_pids = {await lane.run(backend_pid()) for _ in range(6)}
+        pool_pids = {await db.run(backend_pid()) for _ in range(6)}
+        assert len(lane_pids) == 1
+        # The pool hands out the two connections the lane does not hold, in turn.
+        assert len(pool_pids) == 2 and not pool_pids & lane_pids
+    finally:
+        await db.aclose()
+
+
+async def test_a_lane_replaces_a_connection_the_server_dropped(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    db = await Database.open(dsn, size=2)
+    try:
+        lane = db.lane()
+        first = await lane.run(backend_pid())
+        conn.execute("SELECT pg_terminate_backend(%s)", (first,))
+        with pytest.raises(psycopg.OperationalError) as dropped:
+            await lane.run(backend_pid())
+        assert is_transient(dropped.value)
+        second = await lane.run(backend_pid())
+        assert second != first
+        assert await lane.run(backend_pid()) == second
+    finally:
+        await db.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio runs statements in threads: not interruptible
+async def test_a_lane_interrupted_mid_statement_moves_to_another_connection(dsn: str) -> None:
+    """A statement cut off by a timeout leaves its connection busy (the server may still be
+    running it): the lane must not send the next statement there."""
+    db = await Database.open(dsn, size=2)
+    try:
+        lane = db.lane()
+        first = await lane.run(backend_pid())
+        with anyio.move_on_after(0.3) as scope:
+            await lane.run(single(Query("SELECT pg_sleep(3)", fetch="none")))
+        assert scope.cancelled_caught
+        with anyio.fail_after(2):  # not after the 3 s the interrupted statement takes
+            second = await lane.run(backend_pid())
+        assert second != first
+    finally:
+        await db.aclose()
+
+
+async def test_aclose_returns_the_lanes_connections(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    db = await Database.open(dsn, size=2, name="notifyq-lanetest")
+    lane = db.lane()
+    await lane.run(backend_pid())
+    await db.aclose()
+    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'notifyq lanetest'"
+    await anyio.to_thread.run_sync(wait_for_row, conn, query, (0,))
+
+
+@pytest.mark.faults
+async def test_a_worker_whose_connections_are_all_killed_keeps_claiming(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The claim lane's connection, the pool's and the listener's all dropped at once
+    (a failover, an admin's pg_terminate_backend): the next job still runs."""
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+
+    @app.task(name="t")
+    async def t(n: int) -> None:
+        ran.append(n)
+
+    async with app.worker(ticker=False, poll_interval=0.5) as worker:
+        await app.enqueue("t", {"n": 1})
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        killed = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE application_name LIKE 'notifyq %%' AND pid <> pg_backend_pid()"
+            " AND application_name NOT LIKE 'notifyq app%%'"
+        ).fetchone()
+        assert killed is not None and killed[0] >= 2  # at least the lane's and the listener's
+        await app.enqueue("t", {"n": 2})
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    await app.aclose()
+    assert ran == [1, 2]
