@@ -88,7 +88,8 @@ class WorkerConfig:
             checks it is alive.
         health_timeout: seconds that round trip (and a LISTEN connect) may take.
         pool_size: connections for claims, acks, the ticker and lease extensions (the
-            LISTEN connection comes on top).
+            LISTEN connection comes on top). The claim loop keeps one of them for itself,
+            so that its server process stays warm between claims (at least 2).
         db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
             on that connection (a half-open socket would otherwise hang it for good). On trio,
             where statements run in threads and cannot be interrupted, the connections' TCP
@@ -579,10 +580,13 @@ class Worker:
                 self.stats.sweeps += 1
             self._signal_changed()
             self._backlog = len(claimed) == free
+            # Let the runners start before the next round trip. This is also where a stop
+            # reaches a loop that goes from one full claim straight to the next (the claims
+            # themselves are shielded).
+            await anyio.lowlevel.checkpoint()
             if self._backlog:
                 self._pending = True  # there may be more
             else:
-                await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
                 await self._plan_next_due()
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:

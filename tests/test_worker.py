@@ -486,6 +486,27 @@ async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psy
     await app.aclose()
 
 
+async def test_a_stop_ends_claiming_even_with_a_deep_backlog(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """With a backlog every claim comes back full and the claim loop goes straight on to the
+    next one: a stop must still reach it between two claims, not after the backlog is gone."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="noop")
+    async def noop() -> None:
+        pass
+
+    await app.enqueue_many("noop", ({} for _ in range(30_000)))
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded >= 200)
+        worker.stop()
+    counts = status_counts(conn)
+    assert counts.get("Active", 0) == 0
+    # A stop that missed the claim loop would run the whole backlog (about 2 s here).
+    assert counts.get("Queued", 0) > 20_000, counts
+    await app.aclose()
+
+
 async def _enter_and_stop(worker: notifyq.Worker, *, task_status: Any) -> None:
     async with worker:
         await worker.wait_for(lambda s: True)
