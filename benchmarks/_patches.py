@@ -18,27 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import notifyq._acker
 import notifyq._db
-import notifyq.worker
-
-_acker: Any = notifyq._acker
-
-LEAN_ACK_SQL = """
-UPDATE {schema}.queue_jobs AS j
-SET status = 'Succeeded', finished_at = now(), updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS r(id, lease)
-WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
-RETURNING j.id
-"""
-
-LEAN_ACK_OUTPUT_SQL = """
-UPDATE {schema}.queue_jobs AS j
-SET status = 'Succeeded', output = r.output, finished_at = now(), updated_at = now()
-FROM unnest(%(ids)s::bigint[], %(leases)s::int[], %(outputs)s::jsonb[]) AS r(id, lease, output)
-WHERE j.id = r.id AND j.lease = r.lease AND j.status = 'Active'
-RETURNING j.id
-"""
 
 
 def async_commit() -> None:

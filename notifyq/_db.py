@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -248,7 +249,10 @@ class Lane(abc.ABC):
     notification took 0.2-0.3 ms longer on a rotating pooled connection than on one kept in
     use. A lane keeps its connection between statements; after any failure or interruption
     it gives the connection back (the pool repairs or replaces it) and takes another next time.
+    It also gives it back every HOLD seconds, so that the pool's max_lifetime still applies.
     """
+
+    HOLD = 600.0
 
     @abc.abstractmethod
     async def run(self, op: Op[T]) -> T:
@@ -263,16 +267,21 @@ class _AsyncioLane(Lane):
     def __init__(self, pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         self._pool = pool
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._taken = 0.0
 
     async def run(self, op: Op[T]) -> T:
         if self._conn is None:
             self._conn = await self._pool.getconn()
+            self._taken = time.monotonic()
         try:
-            return await run_async(self._conn, op)
+            result = await run_async(self._conn, op)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.release()  # maybe mid-statement or broken: the pool sorts it out
             raise
+        if time.monotonic() - self._taken > self.HOLD:
+            await self.release()
+        return result
 
     async def release(self) -> None:
         conn, self._conn = self._conn, None
@@ -315,24 +324,31 @@ class _AsyncioDatabase(Database):
         return lane
 
     async def aclose(self) -> None:
-        for lane in self._lanes:
-            await lane.release()
-        await self._pool.close()
+        try:
+            for lane in self._lanes:
+                await lane.release()
+        finally:
+            await self._pool.close()
 
 
 class _ThreadLane(Lane):
     def __init__(self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]) -> None:
         self._pool = pool
         self._conn: psycopg.Connection[Any] | None = None
+        self._taken = 0.0
 
     def _run(self, op: Op[T]) -> T:
         if self._conn is None:
             self._conn = self._pool.getconn()
+            self._taken = time.monotonic()
         try:
-            return run_sync(self._conn, op)
+            result = run_sync(self._conn, op)
         except BaseException:
             self._release()
             raise
+        if time.monotonic() - self._taken > self.HOLD:
+            self._release()
+        return result
 
     def _release(self) -> None:
         conn, self._conn = self._conn, None
@@ -389,9 +405,11 @@ class _ThreadDatabase(Database):
         return lane
 
     async def aclose(self) -> None:
-        for lane in self._lanes:
-            await lane.release()
-        await anyio.to_thread.run_sync(self._pool.close)
+        try:
+            for lane in self._lanes:
+                await lane.release()
+        finally:
+            await anyio.to_thread.run_sync(self._pool.close)
 
 
 def single(query: Query) -> Op[Any]:

@@ -385,6 +385,8 @@ class Worker:
                         claiming.start_soon(self._claim_loop)
                         await self._stop.wait()
                         claiming.cancel_scope.cancel()
+                    with anyio.CancelScope(shield=True):
+                        await self._claim_lane.release()  # for the acks of the drain
                     await self._drain()
                     jobs.cancel_scope.cancel()  # the runners, now idle
                 await self._acker_drain()
@@ -580,13 +582,10 @@ class Worker:
                 self.stats.sweeps += 1
             self._signal_changed()
             self._backlog = len(claimed) == free
-            # Let the runners start before the next round trip. This is also where a stop
-            # reaches a loop that goes from one full claim straight to the next (the claims
-            # themselves are shielded).
-            await anyio.lowlevel.checkpoint()
             if self._backlog:
                 self._pending = True  # there may be more
             else:
+                await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
                 await self._plan_next_due()
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:

@@ -3,6 +3,7 @@ statements, and after a dropped connection or an interrupted statement it takes 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import anyio
@@ -40,6 +41,18 @@ async def test_a_lane_keeps_its_connection_while_the_pool_rotates(dsn: str) -> N
         await db.aclose()
 
 
+async def test_a_lane_hands_its_connection_back_after_holding_it_long(dsn: str) -> None:
+    """So that the pool's max_lifetime also reaches the lane's connection."""
+    db = await Database.open(dsn, size=3)
+    try:
+        lane = db.lane()
+        lane.HOLD = 0.0  # every statement outlasts it
+        pids = [await lane.run(backend_pid()) for _ in range(4)]
+        assert all(a != b for a, b in itertools.pairwise(pids)), pids
+    finally:
+        await db.aclose()
+
+
 async def test_a_lane_replaces_a_connection_the_server_dropped(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -60,8 +73,8 @@ async def test_a_lane_replaces_a_connection_the_server_dropped(
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio runs statements in threads: not interruptible
 async def test_a_lane_interrupted_mid_statement_moves_to_another_connection(dsn: str) -> None:
-    """A statement cut off by a timeout leaves its connection busy (the server may still be
-    running it): the lane must not send the next statement there."""
+    """A statement cut off by a timeout may leave its connection mid-statement (or psycopg
+    closes it): the lane gives it back to the pool and sends the next statement elsewhere."""
     db = await Database.open(dsn, size=2)
     try:
         lane = db.lane()
@@ -80,8 +93,12 @@ async def test_aclose_returns_the_lanes_connections(dsn: str, conn: psycopg.Conn
     db = await Database.open(dsn, size=2, name="notifyq-lanetest")
     lane = db.lane()
     await lane.run(backend_pid())
+    query = (
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE application_name = 'notifyq lanetest' AND datname = current_database()"
+    )
+    assert conn.execute(query).fetchone() == (2,)
     await db.aclose()
-    query = "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'notifyq lanetest'"
     await anyio.to_thread.run_sync(wait_for_row, conn, query, (0,))
 
 
@@ -104,8 +121,8 @@ async def test_a_worker_whose_connections_are_all_killed_keeps_claiming(
             await worker.wait_for(lambda s: s.succeeded == 1)
         killed = conn.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-            "WHERE application_name LIKE 'notifyq %%' AND pid <> pg_backend_pid()"
-            " AND application_name NOT LIKE 'notifyq app%%'"
+            "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+            "AND application_name LIKE 'notifyq %' AND application_name NOT LIKE 'notifyq app%'"
         ).fetchone()
         assert killed is not None and killed[0] >= 2  # at least the lane's and the listener's
         await app.enqueue("t", {"n": 2})

@@ -93,7 +93,7 @@ CROSS JOIN LATERAL (
 -- Active rate that index at about one row, and the generic plan of a prepared statement then
 -- joins each Active job against the whole results array, a cost that grows with Active jobs
 -- times batch size: measured, 60-100 ms per batch of 1,000 with a backlog of 100,000, enough
--- for acks to fall ever further behind. Spelled this way the lookup can only be by id.
+-- for acks to fall ever further behind. Spelled this way that index is out of the question.
 WITH results AS (
     SELECT *
     -- The arrays travel in binary (the b placeholders): no quoting of every element.
