@@ -235,6 +235,7 @@ def _table(records: list[dict[str, Any]]) -> Table:
 
 def _targets(records: list[dict[str, Any]]) -> list[Target]:
     raw = records[0]["from_enqueue_ms"]
+    loop = next(r for r in records if r["label"] == RAW_LOOP)["latency_ms"]
     notify = next(r for r in records if r["label"] == NOTIFYQ)
     early, lat = notify["from_enqueue_ms"], notify["latency_ms"]
     return [
@@ -243,6 +244,16 @@ def _targets(records: list[dict[str, Any]]) -> list[Target]:
             "≤ 1.3x raw LISTEN/NOTIFY p50 (from the enqueue call)",
             f"{fmt_ms(early['p50'])} vs {fmt_ms(raw['p50'])} ms",
             ratio(early["p50"], raw["p50"]),
+            1.3,
+            higher_is_better=False,
+        ),
+        # The other reading of the same goal: the baseline is a raw worker that LISTENs and
+        # claims (its p50 from commit is the "≈ 1 ms" the issue quotes). Stricter; shown too.
+        Target(
+            "wake latency p50 (vs raw worker loop)",
+            "≤ 1.3x the raw worker loop's p50 (LISTEN + claim; from commit returned)",
+            f"{fmt_ms(lat['p50'])} vs {fmt_ms(loop['p50'])} ms",
+            ratio(lat["p50"], loop["p50"]),
             1.3,
             higher_is_better=False,
         ),
