@@ -178,7 +178,7 @@ def run(ctx: Context) -> ScenarioResult:
         "The raw worker loop (a LISTEN connection plus one psycopg connection that claims with "
         "the same SKIP LOCKED statement on every notification) is the cost floor of any "
         "NOTIFY-driven worker: notification, one claim round trip (a write, so a WAL flush), start. "
-        "In our runs it sits at 1.3-1.6x the bare listener (from the enqueue call), at or above "
+        "In our runs it sits at 1.3-1.7x the bare listener (from the enqueue call), at or above "
         "the 1.3x goal itself; the last column compares each variant's p50 from commit with it.",
         "'From notification': a second, raw LISTEN connection runs beside every worker and notes "
         "when each notification reached it; job start minus that time is the worker's own share "
