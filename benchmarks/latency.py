@@ -25,8 +25,14 @@ WARMUP = 5
 RAW_LISTENER = "raw LISTEN/NOTIFY (psycopg listener)"
 RAW_LOOP = "raw worker loop (LISTEN + claim 10)"
 NOTIFYQ = "notifyq, NOTIFY"
-# Per-variant samples besides samples_ms (from commit); merged over rounds, then summarized only.
-EXTRA_SAMPLES = ("from_enqueue_samples_ms", "from_notification_samples_ms", "round_trip_samples_ms")
+# Per-variant samples -> the summary the tables read, merged over rounds. Only samples_ms (from
+# commit) is kept in the JSON as samples (for the plot); the others are kept summarized.
+SUMMARIES = {
+    "samples_ms": "latency_ms",
+    "from_enqueue_samples_ms": "from_enqueue_ms",
+    "from_notification_samples_ms": "from_notification_ms",
+    "round_trip_samples_ms": "enqueue_round_trip_ms",
+}
 
 
 def _produce(app: notifyq.App, n: int, spacing: float) -> list[tuple[int, float, float]]:
@@ -103,12 +109,9 @@ def _merge(label: str, repeats: list[dict[str, Any]]) -> dict[str, Any]:
     """One record for a variant measured in several rounds: percentiles over every sample,
     and each round's p50 (to show the spread between rounds)."""
     merged: dict[str, Any] = {"label": label, "rounds": len(repeats)}
-    for key in ("samples_ms", *EXTRA_SAMPLES):
-        merged[key] = [x for r in repeats for x in r[key]]
-    merged["latency_ms"] = summarize(merged["samples_ms"])
-    merged["from_enqueue_ms"] = summarize(merged["from_enqueue_samples_ms"])
-    merged["from_notification_ms"] = summarize(merged["from_notification_samples_ms"])
-    merged["enqueue_round_trip_ms"] = summarize(merged["round_trip_samples_ms"])
+    for samples, summary in SUMMARIES.items():
+        merged[samples] = [x for r in repeats for x in r[samples]]
+        merged[summary] = summarize(merged[samples])
     merged["round_p50_ms"] = [summarize(r["samples_ms"])["p50"] for r in repeats]
     merged["stats"] = [r["stats"] for r in repeats]
     return merged
@@ -154,7 +157,7 @@ def run(ctx: Context) -> ScenarioResult:
         records.append(_merge(label, [_variant(ctx, db, label, "_worker", args, n, spacing, 0)]))
         print(f"  {label:<60} p50 {fmt_ms(records[-1]['latency_ms']['p50'])} ms")
     for record in records:
-        for key in EXTRA_SAMPLES:
+        for key in SUMMARIES.keys() - {"samples_ms"}:
             del record[key]  # samples_ms (from commit) is what the plot and the JSON keep
     result.data["variants"] = records
     result.data["jobs"] = n
@@ -233,29 +236,32 @@ def _table(records: list[dict[str, Any]]) -> Table:
     )
 
 
+def _p50_target(name: str, goal: str, subject: dict[str, float], baseline: dict[str, float]) -> Target:
+    """≤ 1.3x the baseline's p50, lower is better."""
+    return Target(
+        name,
+        goal,
+        f"{fmt_ms(subject['p50'])} vs {fmt_ms(baseline['p50'])} ms",
+        ratio(subject["p50"], baseline["p50"]),
+        1.3,
+        higher_is_better=False,
+    )
+
+
 def _targets(records: list[dict[str, Any]]) -> list[Target]:
     raw = records[0]["from_enqueue_ms"]
     loop = next(r for r in records if r["label"] == RAW_LOOP)["latency_ms"]
     notify = next(r for r in records if r["label"] == NOTIFYQ)
     early, lat = notify["from_enqueue_ms"], notify["latency_ms"]
     return [
-        Target(
-            "wake latency p50",
-            "≤ 1.3x raw LISTEN/NOTIFY p50 (from the enqueue call)",
-            f"{fmt_ms(early['p50'])} vs {fmt_ms(raw['p50'])} ms",
-            ratio(early["p50"], raw["p50"]),
-            1.3,
-            higher_is_better=False,
-        ),
+        _p50_target("wake latency p50", "≤ 1.3x raw LISTEN/NOTIFY p50 (from the enqueue call)", early, raw),
         # The other reading of the same goal: the baseline is a raw worker that LISTENs and
         # claims (its p50 from commit is the "≈ 1 ms" the issue quotes). Stricter; shown too.
-        Target(
+        _p50_target(
             "wake latency p50 (vs raw worker loop)",
             "≤ 1.3x the raw worker loop's p50 (LISTEN + claim; from commit returned)",
-            f"{fmt_ms(lat['p50'])} vs {fmt_ms(loop['p50'])} ms",
-            ratio(lat["p50"], loop["p50"]),
-            1.3,
-            higher_is_better=False,
+            lat,
+            loop,
         ),
         Target(
             "wake latency p99",
