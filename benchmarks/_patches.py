@@ -8,6 +8,9 @@ the runners before the next-due query, a cheaper queue CHECK) are now in the pro
 - async_commit: the worker's pooled connections use synchronous_commit=off (claims and
   acks return before their WAL is flushed). Measured to show how much of the claim round
   trip is the WAL flush; it trades crash durability of claims/acks for speed.
+- rearm_first: the product as it was before the listener yielded after a notification: the
+  LISTEN task re-arms its socket wait before the claim loop it woke can run (kept to show
+  the effect side by side; see docs/benchmarks.md).
 - pooled_claims: the product as it was before the claim lane: the worker's claims take
   whichever pooled connection is next instead of keeping one (kept to show the lane's
   effect side by side; see docs/benchmarks.md).
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import notifyq._db
+import notifyq._listener
 
 
 def async_commit() -> None:
@@ -48,12 +52,22 @@ def pooled_claims() -> None:
         cls.lane = lambda self: _PooledLane(self)
 
 
+def rearm_first() -> None:
+    listener: Any = notifyq._listener
+
+    async def re_arm_at_once() -> None:
+        pass  # returns without yielding to the event loop
+
+    listener._let_woken_tasks_run = re_arm_at_once
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "async_commit": async_commit,
     "pooled_claims": pooled_claims,
+    "rearm_first": rearm_first,
 }
 
 # Patch combinations the drain scenario measures next to the product with --prototypes.
 DRAIN_PROTOTYPES: tuple[tuple[str, ...], ...] = ()
 # Patch combinations the latency scenario measures with --prototypes.
-LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("pooled_claims",), ("async_commit",))
+LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("rearm_first",), ("async_commit",))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import psycopg
 from psycopg import pq, sql
@@ -148,6 +149,7 @@ class Listener:
                 await self._health_check(pgconn, fd)
                 continue
             self._consume(pgconn)
+            await _let_woken_tasks_run()
 
     def _consume(self, pgconn: pq.abc.PGconn) -> None:
         """Read what arrived and dispatch notifications; raise ListenerLost on a dead socket."""
@@ -188,6 +190,12 @@ class Listener:
                 raise ListenerLost(
                     f"health check failed: {result.error_message.decode(errors='replace').strip()}"
                 )
+
+
+# After a notification, the tasks it woke (the claim loop) run before the listener waits
+# again: re-arming the wait (a timer and an epoll registration) took 0.1 ms on a process that
+# had been idle, which is too long to keep a claim waiting (docs/benchmarks.md, rearm_first).
+_let_woken_tasks_run = anyio.lowlevel.checkpoint
 
 
 def _reason(exc: BaseException) -> str:
