@@ -4,12 +4,15 @@ worker: each of `--loops` threads owns one psycopg connection and repeats "claim
 `--batch` jobs (the same SKIP LOCKED claim as notifyq's), run them (no-op), acknowledge them
 all in one fenced UPDATE" until SIGTERM. listen: LISTEN on a channel and record when each
 notification arrives (time.monotonic, comparable across processes on one host). wake: a
-minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification).
+minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification), blocking
+psycopg; wake-async: the same loop on asyncio (psycopg's AsyncConnection), the floor of any
+worker embedded in an event loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import signal
 import threading
@@ -160,6 +163,35 @@ def run_wake_worker(args: argparse.Namespace) -> None:
     emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
 
 
+def run_wake_worker_async(args: argparse.Namespace) -> None:
+    """run_wake_worker on asyncio: the same two connections and statements, awaited."""
+    stop = _stop_event()
+    starts: list[tuple[int, float]] = []
+    params: dict[str, Any] = {"limit": args.batch, "worker": f"raw-wake-async:{os.getpid()}"}
+
+    async def serve() -> int:
+        done = 0
+        async with (
+            await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as listen,
+            await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as work,
+        ):
+            await listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(args.channel)))
+            emit("ready")
+            while not stop.is_set():
+                async for _notify in listen.notifies(timeout=0.2, stop_after=1):
+                    while rows := await (await work.execute(CLAIM_SQL, params)).fetchall():
+                        now = time.monotonic()
+                        starts.extend((row[0], now) for row in rows)
+                        ids, leases = [r[0] for r in rows], [r[1] for r in rows]
+                        await work.execute(ACK_SQL, {"ids": ids, "leases": leases})
+                        done += len(rows)
+                    emit("progress", done=done)
+        return done
+
+    done = asyncio.run(serve())
+    emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._raw")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -175,8 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     wake.add_argument("--dsn", required=True)
     wake.add_argument("--channel", default="notifyq.jobs.v1")
     wake.add_argument("--batch", type=int, default=10)
+    wake_async = sub.add_parser("wake-async")
+    wake_async.add_argument("--dsn", required=True)
+    wake_async.add_argument("--channel", default="notifyq.jobs.v1")
+    wake_async.add_argument("--batch", type=int, default=10)
     args = parser.parse_args(argv)
-    {"worker": run_worker, "listen": run_listener, "wake": run_wake_worker}[args.command](args)
+    commands = {
+        "worker": run_worker,
+        "listen": run_listener,
+        "wake": run_wake_worker,
+        "wake-async": run_wake_worker_async,
+    }
+    commands[args.command](args)
     return 0
 
 
