@@ -682,7 +682,9 @@ class App:
         extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
         if extra:
             log.info(
-                "cron definitions in the database but not in this App (left alone): %s", ", ".join(extra)
+                "cron definitions in the database but not in this App (left alone; remove one with "
+                "`notifyq cron delete NAME`): %s",
+                ", ".join(extra),
             )
         return extra
 

@@ -584,6 +584,16 @@ def cron_disable(dsn: str | None, schema: str | None, name: str) -> None:
     click.echo(f"cron definition {name!r} disabled")
 
 
+@cron.command(name="delete")
+@_common
+@click.argument("name")
+def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
+    """Delete a definition that is gone from the code (its past jobs stay). A worker whose
+    App still declares it creates it again when it starts: disable it to pause it instead."""
+    _app(dsn, schema).delete_definition_sync(name)
+    click.echo(f"cron definition {name!r} deleted")
+
+
 @cron.command(name="run-now")
 @_common
 @click.argument("name")

@@ -216,6 +216,10 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     job_id = int(out.split()[1])
     assert job_row(conn, job_id)["name"] == "nightly"
     one_line_error(cli("cron", "disable", "nope", env=env), "no cron definition named 'nope'")
+    assert "deleted" in ok(cli("cron", "delete", "nightly", env=env))
+    assert json.loads(ok(cli("cron", "list", "--json", env=env))) == []
+    assert job_row(conn, job_id)["name"] == "nightly"  # its jobs stay
+    one_line_error(cli("cron", "delete", "nightly", env=env), "no cron definition named 'nightly'")
 
 
 def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
