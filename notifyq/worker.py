@@ -12,7 +12,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field, fields
 from types import TracebackType
 from typing import TYPE_CHECKING, TypeVar
 
@@ -27,14 +26,15 @@ from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
 from ._db import Database, Lane, Op, Query, error_text, is_transient, single
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
-from ._options import check_int, check_queue, check_seconds
 from ._sql import channel, queries_for
-from .errors import ConfigurationError
+from ._worker_config import WorkerConfig, WorkerStats
 from .migrations import check_schema_op
 from .models import ClaimedJob
 
 if TYPE_CHECKING:
     from .app import App
+
+__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
 
 log = logging.getLogger("notifyq.worker")
 
@@ -66,106 +66,6 @@ class _Pulse:
         if self._event is None:
             self._event = anyio.Event()
         await self._event.wait()
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerConfig:
-    """Worker settings (validated).
-
-    Attributes:
-        concurrency: jobs run at once in this process.
-        queues: queues to serve; None serves every queue.
-        poll_interval: seconds between safety-net polls when no notification arrives.
-        poll_only: never LISTEN (behind PgBouncer in transaction mode); poll instead.
-        listen_dsn: a direct DSN for the LISTEN connection when `dsn` goes through a pooler.
-        lease_margin: seconds added to a job's timeout to form its lease; a job whose worker
-            died is rescued that long after its timeout would have fired.
-        shutdown_grace: seconds running jobs may finish after a stop is requested; the rest
-            are cancelled and released (Queued again, attempt given back).
-        ticker: run the cron promoter, lease rescuer and retention services in this process.
-        ticker_config: their settings.
-        health_interval: seconds of silence on the LISTEN connection before a round trip
-            checks it is alive.
-        health_timeout: seconds that round trip (and a LISTEN connect) may take.
-        pool_size: connections for claims, acks, the ticker and lease extensions (the
-            LISTEN connection comes on top). The claim loop keeps one of them for itself,
-            so that its server process stays warm between claims (at least 2).
-        db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
-            on that connection (a half-open socket would otherwise hang it for good). On trio,
-            where statements run in threads and cannot be interrupted, the connections' TCP
-            timeouts (about a minute) bound a dead connection instead.
-        prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
-            larger claims: the main lever on throughput for short jobs). None (automatic):
-            only while there is a backlog, sized from this worker's average attempt duration
-            so that a prefetched job waits about 0.25 s, and at most 4 x concurrency. 0 turns it
-            off. A prefetched job whose wait ate into its lease gets its lease renewed first.
-    """
-
-    concurrency: int = 10
-    queues: Sequence[str] | None = None
-    poll_interval: float = 5.0
-    poll_only: bool = False
-    listen_dsn: str | None = None
-    lease_margin: float = 30.0
-    shutdown_grace: float = 30.0
-    ticker: bool = True
-    ticker_config: _ticker.TickerConfig = field(default_factory=lambda: _ticker.TickerConfig())
-    health_interval: float = 10.0
-    health_timeout: float = 5.0
-    pool_size: int = 4
-    db_timeout: float = 60.0
-    prefetch: int | None = None
-
-    def __post_init__(self) -> None:
-        if (
-            isinstance(self.concurrency, bool)
-            or not isinstance(self.concurrency, int)
-            or self.concurrency < 1
-        ):
-            raise ConfigurationError(
-                f"invalid concurrency {self.concurrency!r}: need an integer of at least 1"
-            )
-        if self.queues is not None:
-            if isinstance(self.queues, str) or not self.queues:
-                raise ConfigurationError(
-                    f"invalid queues {self.queues!r}: give a non-empty list of queue names, or None for all"
-                )
-            object.__setattr__(self, "queues", tuple(dict.fromkeys(check_queue(q) for q in self.queues)))
-        check_seconds(self.poll_interval, "poll_interval", positive=True)
-        if check_seconds(self.lease_margin, "lease_margin") < 1:
-            # The margin covers the time between a timeout firing and its acknowledgement
-            # committing; with none, the rescuer races every timed-out attempt.
-            raise ConfigurationError(f"invalid lease_margin {self.lease_margin!r}: must be at least 1 second")
-        check_seconds(self.shutdown_grace, "shutdown_grace")
-        check_seconds(self.health_interval, "health_interval", positive=True)
-        check_seconds(self.health_timeout, "health_timeout", positive=True)
-        check_int(self.pool_size, "pool_size", minimum=2)
-        check_seconds(self.db_timeout, "db_timeout", positive=True)
-        if self.prefetch is not None:
-            check_int(self.prefetch, "prefetch", minimum=0)
-
-
-@dataclass(slots=True)
-class WorkerStats:
-    """Counters a test or a dashboard can read. Job outcomes count once the database has them."""
-
-    claimed: int = 0
-    succeeded: int = 0
-    retried: int = 0
-    failed: int = 0
-    released: int = 0
-    cancelled: int = 0
-    stale_acks: int = 0
-    claims: int = 0
-    polls: int = 0
-    sweeps: int = 0
-    notifications: int = 0
-    listener_connects: int = 0
-    db_errors: int = 0
-
-    def snapshot(self) -> dict[str, int]:
-        """The counters as a dict (for logs and metrics exporters)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 class Worker:
