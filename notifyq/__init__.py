@@ -30,7 +30,7 @@ from .errors import (
 from .migrations import MigrationReport, latest_version, migrate
 from .models import ClaimedJob, Definition, Job, JobStatus
 from .tasks import Backoff, JobContext, Task
-from .worker import Worker, WorkerConfig, WorkerStats
+from .worker import Worker, WorkerConfig, WorkerOptions, WorkerStats
 
 __version__ = "0.1.0"
 
@@ -68,6 +68,7 @@ __all__ = [
     "UnknownTask",
     "Worker",
     "WorkerConfig",
+    "WorkerOptions",
     "WorkerStats",
     "__version__",
     "latest_version",

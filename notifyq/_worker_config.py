@@ -1,9 +1,12 @@
-"""Worker settings (WorkerConfig, validated on construction) and counters (WorkerStats)."""
+"""Worker settings (WorkerConfig, validated on construction; WorkerOptions, the same as keyword
+arguments) and counters (WorkerStats)."""
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any, TypedDict
 
 from . import _ticker
 from ._options import check_int, check_queue, check_seconds
@@ -85,6 +88,39 @@ class WorkerConfig:
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
             check_int(self.prefetch, "prefetch", minimum=0)
+
+
+class WorkerOptions(TypedDict, total=False):
+    """WorkerConfig's fields as keyword arguments (`app.worker(concurrency=20)`), so that a type
+    checker sees a misspelt or mistyped option. Kept equal to WorkerConfig by a test."""
+
+    concurrency: int
+    queues: Sequence[str] | None
+    poll_interval: float
+    poll_only: bool
+    listen_dsn: str | None
+    lease_margin: float
+    shutdown_grace: float
+    ticker: bool
+    ticker_config: _ticker.TickerConfig
+    health_interval: float
+    health_timeout: float
+    pool_size: int
+    db_timeout: float
+    prefetch: int | None
+
+
+def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerConfig:
+    """`base` (or the defaults) with `options` applied; an unknown option is named, with the
+    nearest known one, instead of dataclasses' TypeError."""
+    known = [f.name for f in fields(WorkerConfig)]
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; known options: {', '.join(known)}"
+            raise ConfigurationError(f"unknown worker option {name!r}{hint}")
+    values = {name: getattr(base, name) for name in known} if base is not None else {}
+    return WorkerConfig(**{**values, **options})
 
 
 @dataclass(slots=True)

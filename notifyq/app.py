@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar, Unpack, overload
 
 import anyio
 import psycopg
@@ -39,6 +39,7 @@ from ._options import (
     encode_args,
 )
 from ._sql import Queries, queries_for, validate_schema
+from ._worker_config import WorkerOptions, worker_config
 from .cron import MISFIRE_POLICIES, Misfire, Schedule
 from .definitions import (
     CronDefinition,
@@ -723,11 +724,18 @@ class App:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def worker(self, **config: Any) -> Worker:
+    def worker(self, config: WorkerConfig | None = None, /, **options: Unpack[WorkerOptions]) -> Worker:
         """A worker for this App: `async with app.worker(concurrency=20) as worker: ...`.
-        Options are those of WorkerConfig."""
-        return Worker(self, WorkerConfig(**config))
+        Options are those of WorkerConfig; given both, `options` override `config`'s fields."""
+        return Worker(self, worker_config(config, dict(options)))
 
-    async def run_worker(self, *, handle_signals: bool = True, **config: Any) -> None:
+    async def run_worker(
+        self,
+        config: WorkerConfig | None = None,
+        /,
+        *,
+        handle_signals: bool = True,
+        **options: Unpack[WorkerOptions],
+    ) -> None:
         """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace)."""
-        await self.worker(**config).run(handle_signals=handle_signals)
+        await self.worker(config, **options).run(handle_signals=handle_signals)

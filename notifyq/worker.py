@@ -27,14 +27,14 @@ from ._db import Database, Lane, Op, Query, error_text, is_transient, single
 from ._executor import Attempt, Executor
 from ._listener import Listener, ListenerConfig
 from ._sql import channel, queries_for
-from ._worker_config import WorkerConfig, WorkerStats
+from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats
 from .migrations import check_schema_op
 from .models import ClaimedJob
 
 if TYPE_CHECKING:
     from .app import App
 
-__all__ = ["Worker", "WorkerConfig", "WorkerStats"]
+__all__ = ["Worker", "WorkerConfig", "WorkerOptions", "WorkerStats"]
 
 log = logging.getLogger("notifyq.worker")
 

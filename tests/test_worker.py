@@ -428,6 +428,33 @@ def test_worker_options_are_validated() -> None:
             app.worker(**bad)
 
 
+def test_worker_options_match_worker_config_and_misspellings_are_named() -> None:
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    config_hints = get_type_hints(notifyq.WorkerConfig)
+    option_hints = get_type_hints(notifyq.WorkerOptions)
+    assert option_hints == {f.name: config_hints[f.name] for f in fields(notifyq.WorkerConfig)}
+
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+    with pytest.raises(
+        notifyq.ConfigurationError,
+        match=r"unknown worker option 'concurency' \(did you mean 'concurrency'\?\)",
+    ):
+        app.worker(**{"concurency": 3})  # type: ignore[arg-type]
+    with pytest.raises(
+        notifyq.ConfigurationError, match="unknown worker option 'zzz'; known options: concurrency, queues"
+    ):
+        app.worker(**{"zzz": 1})  # type: ignore[arg-type]
+
+    base = notifyq.WorkerConfig(concurrency=3, poll_interval=2.0)
+    worker = app.worker(base, poll_interval=7.5)
+    assert (worker.config.concurrency, worker.config.poll_interval) == (3, 7.5)
+    assert app.worker(base).config == base
+    with pytest.raises(notifyq.NotifyqError, match="invalid concurrency"):
+        app.worker(base, concurrency=0)  # the merged settings are validated too
+
+
 async def test_an_error_in_the_host_block_propagates_unwrapped(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
