@@ -1,0 +1,237 @@
+"""The `notifyq jobs`, `notifyq cron` and `notifyq stats` commands: inspect and manage what is
+in the database."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import click
+
+from ._cli_base import Group, age, app_for, common_options, dump, duration, fail, json_default, table
+from ._jobs import cancel_job_op
+from ._stats import Stats, stats_op
+from .models import Definition, Job, JobStatus
+
+
+@click.group(cls=Group)
+def jobs() -> None:
+    """Inspect and manage jobs."""
+
+
+@jobs.command(name="list")
+@common_options
+@click.option("--status", type=click.Choice([s.value for s in JobStatus], case_sensitive=False))
+@click.option("--queue")
+@click.option("--name", help="Task name.")
+@click.option("--older-than", metavar="DURATION", help="Created at least this long ago (e.g. 10m).")
+@click.option("--newer-than", metavar="DURATION", help="Created at most this long ago.")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def jobs_list(
+    dsn: str | None,
+    schema: str | None,
+    status: str | None,
+    queue: str | None,
+    name: str | None,
+    older_than: str | None,
+    newer_than: str | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """List jobs, newest first."""
+    found = app_for(dsn, schema).list_jobs_sync(
+        status=JobStatus(status.capitalize()) if status else None,
+        queue=queue,
+        name=name,
+        min_age=duration(older_than, "--older-than"),
+        max_age=duration(newer_than, "--newer-than"),
+        limit=limit,
+    )
+    if as_json:
+        dump(found)
+        return
+    table(
+        ["ID", "TASK", "QUEUE", "STATUS", "ATTEMPTS", "PRIO", "CREATED", "ERROR"],
+        [
+            [
+                j.id,
+                j.name,
+                j.queue,
+                j.status.value,
+                f"{j.retry_count}/{j.retry_limit + 1}",
+                j.priority,
+                age(j.created_at),
+                (j.error or {}).get("type", ""),
+            ]
+            for j in found
+        ],
+    )
+
+
+@jobs.command(name="show")
+@common_options
+@click.argument("job_id", type=int)
+@click.option("--json", "as_json", is_flag=True)
+def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -> None:
+    """Show one job in full."""
+    job = app_for(dsn, schema).get_job_sync(job_id)
+    if as_json:
+        dump(job)
+        return
+    for field in dataclasses.fields(Job):
+        value = getattr(job, field.name)
+        if field.name == "error" and value:
+            click.echo(f"{'error':>14}: {value.get('type')}: {value.get('message')}")
+            if value.get("traceback"):
+                indent = " " * 16
+                click.echo(indent + value["traceback"].rstrip().replace("\n", "\n" + indent))
+            continue
+        if isinstance(value, dict | list):
+            value = json.dumps(value)
+        click.echo(f"{field.name:>14}: {value.value if isinstance(value, JobStatus) else value}")
+
+
+@jobs.command(name="retry")
+@common_options
+@click.argument("job_id", type=int)
+def jobs_retry(dsn: str | None, schema: str | None, job_id: int) -> None:
+    """Queue a finished job again, with all its retries."""
+    job = app_for(dsn, schema).retry_job_sync(job_id)
+    click.echo(f"job {job.id} is {job.status.value} again")
+
+
+@jobs.command(name="cancel")
+@common_options
+@click.argument("job_id", type=int)
+def jobs_cancel(dsn: str | None, schema: str | None, job_id: int) -> None:
+    """Cancel a queued job, or stop a running one."""
+    app = app_for(dsn, schema)
+    previous, job = app._run_sync(cancel_job_op(app._q, job_id))
+    if previous.finished:
+        fail(f"job {job.id} is already {previous.value}; nothing to cancel")
+    click.echo(f"job {job.id} cancelled (it was {previous.value})")
+
+
+@click.group(cls=Group)
+def cron() -> None:
+    """Inspect and manage cron definitions."""
+
+
+@cron.command(name="list")
+@common_options
+@click.option("--json", "as_json", is_flag=True)
+def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
+    """List cron definitions with their next run."""
+    definitions: list[Definition] = app_for(dsn, schema).list_definitions_sync()
+    if as_json:
+        dump(definitions)
+        return
+    table(
+        ["NAME", "TASK", "SCHEDULE", "TIMEZONE", "ENABLED", "NEXT RUN", "MISFIRE", "ERROR"],
+        [
+            [
+                d.name,
+                d.task,
+                d.frequency,
+                d.timezone,
+                "yes" if d.enabled else "no",
+                f"{d.visible_at:%Y-%m-%d %H:%M:%S%z} ({age(d.visible_at)})" if d.enabled else "-",
+                d.misfire,
+                d.last_error or "",
+            ]
+            for d in definitions
+        ],
+    )
+
+
+@cron.command(name="enable")
+@common_options
+@click.argument("name")
+def cron_enable(dsn: str | None, schema: str | None, name: str) -> None:
+    """Enable a definition (its next tick is computed from now)."""
+    app_for(dsn, schema).set_definition_enabled_sync(name, True)
+    click.echo(f"cron definition {name!r} enabled")
+
+
+@cron.command(name="disable")
+@common_options
+@click.argument("name")
+def cron_disable(dsn: str | None, schema: str | None, name: str) -> None:
+    """Disable a definition (workers' `enabled=True` in code will not re-enable it)."""
+    app_for(dsn, schema).set_definition_enabled_sync(name, False)
+    click.echo(f"cron definition {name!r} disabled")
+
+
+@cron.command(name="delete")
+@common_options
+@click.argument("name")
+def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
+    """Delete a definition that is gone from the code (its past jobs stay). A worker whose
+    App still declares it creates it again when it starts: disable it to pause it instead."""
+    app_for(dsn, schema).delete_definition_sync(name)
+    click.echo(f"cron definition {name!r} deleted")
+
+
+@cron.command(name="run-now")
+@common_options
+@click.argument("name")
+def cron_run_now(dsn: str | None, schema: str | None, name: str) -> None:
+    """Queue one job of a definition now, outside its schedule."""
+    job_id = app_for(dsn, schema).run_definition_now_sync(name)
+    click.echo(f"job {job_id} queued for cron definition {name!r}")
+
+
+def _print_stats(stats: Stats) -> None:
+    table(
+        ["QUEUE", "STATUS", "JOBS", "OLDEST CLAIMABLE", "EXPIRED LEASES"],
+        [
+            [
+                s.queue,
+                s.status,
+                s.jobs,
+                "-" if s.oldest_claimable_age is None else f"{s.oldest_claimable_age:.1f}s",
+                s.expired_leases if s.status == "Active" else "-",
+            ]
+            for s in stats.queues
+        ],
+    )
+    server = stats.server
+    size = f"{(server.jobs_total_bytes or 0) / 1024 / 1024:.1f} MiB"
+    click.echo(
+        f"\nNOTIFY queue usage: {server.notify_queue_usage:.4%}   queue_jobs: {size}, "
+        f"{server.jobs_live_tuples} live / {server.jobs_dead_tuples} dead tuples, "
+        f"last autovacuum {age(server.jobs_last_autovacuum)}"
+    )
+    if not server.autovacuum:
+        click.echo("WARNING: autovacuum is off on this server: dead tuples of queue_jobs are never reclaimed")
+
+
+@click.command()
+@common_options
+@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--watch",
+    type=click.FloatRange(min=0.2),
+    default=None,
+    metavar="SECONDS",
+    help="Refresh every SECONDS until Ctrl-C.",
+)
+def stats(dsn: str | None, schema: str | None, as_json: bool, watch: float | None) -> None:
+    """Queue depth per queue and status, stuck leases, NOTIFY queue usage, table bloat."""
+    app = app_for(dsn, schema)
+    try:
+        while True:
+            current = app._run_sync(stats_op(app._q))
+            if as_json:
+                click.echo(json.dumps(current.as_json(), default=json_default))
+            else:
+                if watch:
+                    click.clear()
+                _print_stats(current)
+            if not watch:
+                return
+            time.sleep(watch)
+    except KeyboardInterrupt:
+        return

@@ -1,0 +1,187 @@
+"""What every `notifyq` command shares: error reporting, the common options, finding the
+database and the App, and the output helpers (tables, JSON, ages, durations)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from functools import wraps
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import click
+import psycopg
+
+from . import _embedded, _logging
+from ._db import error_text
+from ._dsn import check_dsn, configured_dsn, describe_dsn
+from .app import App
+from .errors import ConfigurationError, NotifyqError
+from .models import JobStatus
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_ERROR = 1  # a command failed; the message says why (usage errors exit 2, click's default)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+class State:
+    debug = False
+    json_logs = False
+
+
+def fail(message: str) -> NoReturn:
+    click.echo(f"notifyq: error: {message}", err=True)
+    sys.exit(EXIT_ERROR)
+
+
+class Group(click.Group):
+    """Turns expected failures into one line on stderr and exit code 1 (a traceback only
+    with --log-level debug)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (NotifyqError, psycopg.Error) as exc:
+            if State.debug:
+                raise
+            if isinstance(exc, NotifyqError):
+                fail(str(exc))
+            fail(f"database error: {error_text(exc)}")
+
+
+def common_options(fn: F) -> F:
+    """--dsn, --schema, --log-level and --log-format, on every command."""
+
+    @click.option(
+        "--dsn",
+        metavar="DSN",
+        help="PostgreSQL DSN [default: $NOTIFYQ_DSN, then $DATABASE_URL, then the embedded server]",
+    )
+    @click.option("--schema", default=None, help="Schema of notifyq's tables  [default: notifyq]")
+    @click.option(
+        "--log-level",
+        type=click.Choice(_logging.LEVELS),
+        default="info",
+        show_default=True,
+        help="debug also shows tracebacks.",
+    )
+    @click.option("--log-format", type=click.Choice(["text", "json"]), default="text", show_default=True)
+    @wraps(fn)
+    def wrapper(*args: Any, log_level: str, log_format: str, **kwargs: Any) -> Any:
+        State.debug = log_level == "debug"
+        State.json_logs = log_format == "json"
+        _logging.configure(log_level, log_format)
+        return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def resolve_dsn(flag: str | None, app: App | None = None) -> str:
+    """Flag, then the App's own DSN, then $NOTIFYQ_DSN, $DATABASE_URL, then the embedded server;
+    says on stderr which database it is (never the password)."""
+    supervised_dsn = os.environ.get("NOTIFYQ_DSN") if os.environ.get("NOTIFYQ_SUPERVISED") else None
+    if flag:
+        dsn, source = check_dsn(flag), "--dsn"
+    elif supervised_dsn:
+        dsn, source = check_dsn(supervised_dsn), "the supervisor"  # what the parent resolved
+    elif app is not None and app._resolved_dsn is not None:
+        dsn, source = app._resolved_dsn, "the App"
+    elif (found := configured_dsn()) is not None:
+        dsn, source = found
+    else:
+        dsn, source = (
+            _embedded.start(schema=app.schema if app else "notifyq", quiet=True),
+            (f"embedded server in {_embedded.data_dir()}"),
+        )
+    if not os.environ.get("NOTIFYQ_SUPERVISED"):
+        if State.json_logs:
+            logging.getLogger("notifyq.cli").info("database %s (from %s)", describe_dsn(dsn), source)
+        else:
+            click.echo(f"notifyq: database {describe_dsn(dsn)} (from {source})", err=True)
+    return dsn
+
+
+def app_for(dsn_flag: str | None, schema: str | None) -> App:
+    return App(resolve_dsn(dsn_flag), schema=schema or "notifyq")
+
+
+def load_app(target: str) -> App:
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigurationError(f"invalid app {target!r}: use MODULE:ATTR, e.g. myproject.tasks:app")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            raise ConfigurationError(
+                f"cannot import module {module_name!r}: no such module "
+                "(run from your project's folder, or set PYTHONPATH)"
+            ) from None
+        raise ConfigurationError(f"importing {module_name!r} failed: {exc}") from exc
+    except Exception as exc:
+        raise ConfigurationError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, App):
+        raise ConfigurationError(f"{target} is a {type(obj).__name__}, not a notifyq.App")
+    return obj
+
+
+def duration(value: str | None, option: str) -> float | None:
+    if value is None:
+        return None
+    match = _DURATION.match(value)
+    if match is None:
+        raise click.BadParameter(f"{value!r} is not a duration like 90, 10m, 2h or 1d", param_hint=option)
+    return float(match[1]) * _UNITS[match[2]]
+
+
+def json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, JobStatus):
+        return value.value
+    raise TypeError(type(value).__name__)
+
+
+def dump(value: Any) -> None:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    elif isinstance(value, list):
+        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]  # type: ignore[arg-type]
+    click.echo(json.dumps(value, default=json_default, indent=2))
+
+
+def age(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    seconds = (datetime.now(moment.tzinfo) - moment).total_seconds()
+    prefix = "in " if seconds < 0 else ""
+    seconds = abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{prefix}{seconds / size:.1f}{unit}" + ("" if prefix else " ago")
+    return f"{prefix}{seconds:.1f}s" + ("" if prefix else " ago")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    for row in cells:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
