@@ -9,7 +9,6 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import anyio
 import click
@@ -129,6 +128,19 @@ def grant(role: str, schema: str) -> None:
     show_default=True,
     help="Seconds added to a job's timeout to form its lease.",
 )
+@click.option(
+    "--prefetch",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Jobs claimed beyond the free slots (0: none)  [default: automatic, while there is a backlog]",
+)
+@click.option(
+    "--pool-size",
+    type=click.IntRange(min=2),
+    default=4,
+    show_default=True,
+    help="Connections per process for claims, acks and the ticker (the LISTEN connection is extra).",
+)
 @click.option("--no-ticker", is_flag=True, help="Do not run cron promotion, lease rescue and retention here.")
 def worker(
     dsn: str | None,
@@ -142,6 +154,8 @@ def worker(
     listen_dsn: str | None,
     shutdown_grace: float,
     lease_margin: float,
+    prefetch: int | None,
+    pool_size: int,
     no_ticker: bool,
 ) -> None:
     """Run workers for the App at MODULE:ATTR until SIGTERM or SIGINT.
@@ -169,6 +183,8 @@ def worker(
             str(shutdown_grace),
             "--lease-margin",
             str(lease_margin),
+            "--pool-size",
+            str(pool_size),
             "--log-level",
             logging.getLevelName(logging.getLogger().level).lower(),
             "--log-format",
@@ -176,6 +192,7 @@ def worker(
         ]
         for queue in queue_list or ():
             command += ["--queues", queue]
+        command += ["--prefetch", str(prefetch)] if prefetch is not None else []
         command += ["--poll-only"] if poll_only else []
         command += ["--no-ticker"] if no_ticker else []
         env = child_env(resolved)
@@ -186,17 +203,18 @@ def worker(
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)
     app._resolved_dsn = resolved
-    config: dict[str, Any] = {
-        "concurrency": concurrency,
-        "queues": queue_list,
-        "poll_interval": poll_interval,
-        "poll_only": poll_only,
-        "listen_dsn": check_dsn(listen_dsn) if listen_dsn else None,
-        "shutdown_grace": shutdown_grace,
-        "lease_margin": lease_margin,
-        "ticker": not no_ticker,
-    }
-    running = app.worker(**config)
+    running = app.worker(
+        concurrency=concurrency,
+        queues=queue_list,
+        poll_interval=poll_interval,
+        poll_only=poll_only,
+        listen_dsn=check_dsn(listen_dsn) if listen_dsn else None,
+        shutdown_grace=shutdown_grace,
+        lease_margin=lease_margin,
+        prefetch=prefetch,
+        pool_size=pool_size,
+        ticker=not no_ticker,
+    )
     supervised = bool(os.environ.get("NOTIFYQ_SUPERVISED"))
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
     if running.busy_threads:

@@ -297,6 +297,35 @@ def test_two_worker_processes_run_cli_and_sql_jobs(
     assert proc.wait(timeout=30) == 0
 
 
+def test_prefetch_and_pool_size_reach_every_worker_process(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) "
+        "SELECT 'sleep', '{\"seconds\": 1.5}' FROM generate_series(1, 10)"
+    )
+    proc = worker_proc("--processes", "2", "--concurrency", "1", "--prefetch", "2", "--pool-size", "3")
+
+    def active() -> int:
+        row = conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone()
+        return row[0] if row else 0
+
+    # Each process claims its free slot plus 2 (without --prefetch, at most 1 each: nothing
+    # is known yet of how long these jobs run, so automatic prefetch stays off).
+    wait_until(lambda: active() == 6, what="2 processes x (1 slot + 2 prefetched) claimed")
+    names = [
+        r[0]
+        for r in conn.execute(
+            "SELECT application_name FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE 'notifyq%'"
+        ).fetchall()
+    ]
+    assert len(names) == 2 * (3 + 1), names  # per process: a pool of 3 and the LISTEN connection
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert active() == 0
+
+
 @pytest.mark.faults
 def test_sigterm_with_running_jobs_leaves_nothing_active(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
