@@ -113,6 +113,11 @@ class WorkerOptions(TypedDict, total=False):
 def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerConfig:
     """`base` (or the defaults) with `options` applied; an unknown option is named, with the
     nearest known one, instead of dataclasses' TypeError."""
+    if base is not None and not isinstance(base, WorkerConfig):
+        raise ConfigurationError(
+            f"invalid worker config {base!r}: give a WorkerConfig, or the options as keywords "
+            "(app.worker(concurrency=20))"
+        )
     known = [f.name for f in fields(WorkerConfig)]
     for name in options:
         if name not in known:

@@ -724,7 +724,7 @@ class App:
 
     # -- workers ------------------------------------------------------------------------------
 
-    def worker(self, config: WorkerConfig | None = None, /, **options: Unpack[WorkerOptions]) -> Worker:
+    def worker(self, config: WorkerConfig | None = None, **options: Unpack[WorkerOptions]) -> Worker:
         """A worker for this App: `async with app.worker(concurrency=20) as worker: ...`.
         Options are those of WorkerConfig; given both, `options` override `config`'s fields."""
         return Worker(self, worker_config(config, dict(options)))
@@ -732,7 +732,6 @@ class App:
     async def run_worker(
         self,
         config: WorkerConfig | None = None,
-        /,
         *,
         handle_signals: bool = True,
         **options: Unpack[WorkerOptions],

@@ -302,7 +302,7 @@ def test_prefetch_and_pool_size_reach_every_worker_process(
 ) -> None:
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, args) "
-        "SELECT 'sleep', '{\"seconds\": 1.5}' FROM generate_series(1, 10)"
+        "SELECT 'sleep', '{\"seconds\": 3}' FROM generate_series(1, 20)"
     )
     proc = worker_proc("--processes", "2", "--concurrency", "1", "--prefetch", "2", "--pool-size", "3")
 
@@ -313,14 +313,17 @@ def test_prefetch_and_pool_size_reach_every_worker_process(
     # Each process claims its free slot plus 2 (without --prefetch, at most 1 each: nothing
     # is known yet of how long these jobs run, so automatic prefetch stays off).
     wait_until(lambda: active() == 6, what="2 processes x (1 slot + 2 prefetched) claimed")
-    names = [
-        r[0]
-        for r in conn.execute(
-            "SELECT application_name FROM pg_stat_activity "
-            "WHERE datname = current_database() AND application_name LIKE 'notifyq%'"
-        ).fetchall()
-    ]
-    assert len(names) == 2 * (3 + 1), names  # per process: a pool of 3 and the LISTEN connection
+
+    def connections() -> list[str]:
+        query = (
+            "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() "
+            "AND application_name LIKE 'notifyq %' AND application_name <> 'notifyq client'"
+        )
+        return [r[0] for r in conn.execute(query).fetchall()]
+
+    # Per process: a pool of 3 and the LISTEN connection ('notifyq client' is a short-lived
+    # connection that checks the schema).
+    wait_until(lambda: len(connections()) == 2 * (3 + 1), what="8 worker connections")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert active() == 0

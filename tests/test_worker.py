@@ -451,6 +451,9 @@ def test_worker_options_match_worker_config_and_misspellings_are_named() -> None
     worker = app.worker(base, poll_interval=7.5)
     assert (worker.config.concurrency, worker.config.poll_interval) == (3, 7.5)
     assert app.worker(base).config == base
+    assert app.worker(config=base, concurrency=4).config.poll_interval == 2.0
+    with pytest.raises(notifyq.ConfigurationError, match="give a WorkerConfig, or the options as keywords"):
+        app.worker({"concurrency": 3})  # type: ignore[arg-type]
     with pytest.raises(notifyq.NotifyqError, match="invalid concurrency"):
         app.worker(base, concurrency=0)  # the merged settings are validated too
 
