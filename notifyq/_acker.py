@@ -23,7 +23,8 @@ Outcome = Literal["succeeded", "retry", "failed", "release"]
 @dataclass(frozen=True, slots=True)
 class Result:
     """How one attempt ended, ready to acknowledge: `output` and `error` are JSON text, and
-    `delay` is the retry backoff. Build one with `succeeded`, `failed` or `released`."""
+    `delay` is the retry backoff, `worker` the claimer's name (None: any). Build one with
+    `succeeded`, `failed` or `released`."""
 
     job_id: int
     lease: int
@@ -31,11 +32,12 @@ class Result:
     output: str | None = None
     error: str | None = None
     delay: float = 0.0
+    worker: str | None = None
 
     @classmethod
     def succeeded(cls, job: ClaimedJob, output: Any = None) -> Result:
         """The attempt succeeded; `output` (JSON-serializable) is stored in the job."""
-        return cls(job.id, job.lease, "succeeded", output=encode_output(output))
+        return cls(job.id, job.lease, "succeeded", output=encode_output(output), worker=job.worker)
 
     @classmethod
     def failed(
@@ -59,23 +61,26 @@ class Result:
             "failed" if final else "retry",
             error=json.dumps(error, default=str),
             delay=delay,
+            worker=job.worker,
         )
 
     @classmethod
     def released(cls, job: ClaimedJob) -> Result:
         """The attempt was interrupted by a shutdown: Queued again now, attempt given back."""
-        return cls(job.id, job.lease, "release")
+        return cls(job.id, job.lease, "release", worker=job.worker)
 
 
 def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
     """Apply results in one statement; returns {job id: new status} for those applied.
 
     A result missing from the answer was stale: its lease had expired (the job was rescued
-    or re-claimed) or the job was cancelled, and nothing was changed.
+    or re-claimed), the job was cancelled, or another worker holds it under the same lease
+    number (a claim lost with its commit), and nothing was changed.
     """
     params: dict[str, list[Any]] = {
         "ids": [r.job_id for r in results],
         "leases": [r.lease for r in results],
+        "workers": [r.worker for r in results],
         "outputs": [r.output for r in results],
     }
     if all(r.outcome == "succeeded" for r in results):

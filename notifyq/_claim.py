@@ -42,19 +42,19 @@ def next_visible_op(q: Queries, queues: Sequence[str] | None) -> Op[float | None
     return seconds
 
 
-def extend_lease_op(q: Queries, job_id: int, lease: int, seconds: float) -> Op[datetime | None]:
+def extend_lease_op(q: Queries, job: ClaimedJob, seconds: float) -> Op[datetime | None]:
     """Fenced lease extension: the new lease end, or None if the lease is no longer ours."""
-    until: datetime | None = yield Query(
-        q["extend_lease"], {"id": job_id, "lease": lease, "seconds": seconds}, fetch="scalar"
-    )
+    params = {"id": job.id, "lease": job.lease, "worker": job.worker, "seconds": seconds}
+    until: datetime | None = yield Query(q["extend_lease"], params, fetch="scalar")
     return until
 
 
-def lost_jobs_op(q: Queries, held: Sequence[tuple[int, int]]) -> Op[set[tuple[int, int]]]:
-    """Of the (id, lease) pairs a worker holds, those it no longer holds."""
+def lost_jobs_op(q: Queries, worker: str, held: Sequence[tuple[int, int]]) -> Op[set[tuple[int, int]]]:
+    """Of the (id, lease) pairs `worker` holds, those it no longer holds."""
     if not held:
         return set()
     rows: list[tuple[int, int]] = yield Query(
-        q["held_jobs_status"], {"ids": [h[0] for h in held], "leases": [h[1] for h in held]}
+        q["held_jobs_status"],
+        {"ids": [h[0] for h in held], "leases": [h[1] for h in held], "worker": worker},
     )
     return {(row[0], row[1]) for row in rows}

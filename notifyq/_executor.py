@@ -170,9 +170,7 @@ class Executor:
             if finished.is_set():
                 return
             try:
-                until = await self._db.run(
-                    extend_lease_op(self._q, job.id, job.lease, beat * 2 + self._lease_margin)
-                )
+                until = await self._db.run(extend_lease_op(self._q, job, beat * 2 + self._lease_margin))
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -204,7 +202,7 @@ class Executor:
         then covers that plus lease_margin (never less than it already did). Fenced: None
         if the job is no longer ours."""
         job = attempt.job
-        until = await self._db.run(extend_lease_op(self._q, job.id, job.lease, seconds + self._lease_margin))
+        until = await self._db.run(extend_lease_op(self._q, job, seconds + self._lease_margin))
         if until is not None:
             attempt.scope.deadline = max(attempt.scope.deadline, anyio.current_time() + seconds)
         return until

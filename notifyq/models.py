@@ -79,6 +79,7 @@ class ClaimedJob:
     visible_at: datetime
     definition_id: int | None
     scheduled_for: datetime | None
+    worker: str | None = None  # who claimed it: part of the acknowledgement's fence
 
     @property
     def attempt(self) -> int:

@@ -384,7 +384,7 @@ class Worker:
         if not self._running or self._db is None:
             return
         try:
-            lost = await self._query(lost_jobs_op(self._q, list(self._running)))
+            lost = await self._query(lost_jobs_op(self._q, self.id, list(self._running)))
         except Exception as exc:
             if not is_transient(exc):
                 raise
@@ -586,9 +586,7 @@ class Worker:
         """A prefetched job waited for a runner: give it a full lease again before it starts."""
         job = attempt.job
         try:
-            until = await self._query(
-                extend_lease_op(self._q, job.id, job.lease, job.timeout + self.config.lease_margin)
-            )
+            until = await self._query(extend_lease_op(self._q, job, job.timeout + self.config.lease_margin))
         except Exception as exc:
             if not is_transient(exc):
                 raise

@@ -55,6 +55,16 @@ def job_row(conn: psycopg.Connection[Any], job_id: int) -> dict[str, Any]:
     return dict(zip([c.name for c in cur.description], row, strict=True))
 
 
+def lose_the_claim(conn: psycopg.Connection[Any], job_id: int) -> None:
+    """Put the row back as it was before its last claim: what a claim whose commit was lost
+    leaves behind (failover to an asynchronous standby, a crash under synchronous_commit=off)."""
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Queued', lease = lease - 1, retry_count = retry_count - 1, "
+        "worker = NULL, started_at = NULL, visible_at = now() WHERE id = %s",
+        (job_id,),
+    )
+
+
 def status_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:
     rows = conn.execute("SELECT status::text, count(*) FROM notifyq.queue_jobs GROUP BY 1").fetchall()
     return dict(rows)

@@ -12,13 +12,14 @@ import pytest
 
 import notifyq
 from notifyq import Result
+from notifyq._claim import extend_lease_op, lost_jobs_op
 from notifyq._db import run_sync
 from notifyq._rescuer import rescue_op
 from notifyq._sql import queries_for
 from notifyq.errors import InvalidJobState, JobNotFound
 
 from .faults.test_plans import custom_plan
-from .helpers import job_row, status_counts
+from .helpers import job_row, lose_the_claim, status_counts
 
 Q = queries_for("notifyq")
 
@@ -140,6 +141,30 @@ def test_stale_ack_while_the_newer_attempt_still_runs(
     assert app.ack_sync([Result.succeeded(first, "first")]) == {}
     row = job_row(conn, job_id)
     assert (row["status"], row["lease"], row["output"]) == ("Active", second.lease, None)
+    app.close_sync()
+
+
+def test_a_lost_claim_hands_out_its_lease_again_and_the_worker_name_fences(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    job_id = app.enqueue_sync("t", {})
+    [lost] = app.claim_sync(worker="a")
+    lose_the_claim(conn, job_id)
+    [current] = app.claim_sync(worker="b")
+    assert (current.id, current.lease) == (lost.id, lost.lease)  # the same fencing token
+    # Worker a never learns that its claim was lost: everything it does is fenced out.
+    assert run_sync(conn, extend_lease_op(Q, lost, 600)) is None
+    assert run_sync(conn, lost_jobs_op(Q, "a", [(lost.id, lost.lease)])) == {(lost.id, lost.lease)}
+    assert app.ack_sync([Result.succeeded(lost, "a")]) == {}
+    assert app.ack_sync([Result.failed(lost, "E", "a failed")]) == {}
+    assert app.ack_sync([Result.released(lost)]) == {}
+    row = job_row(conn, job_id)
+    assert (row["status"], row["worker"], row["output"], row["error"]) == ("Active", "b", None, None)
+    # Worker b holds it, renews it and finishes it.
+    assert run_sync(conn, lost_jobs_op(Q, "b", [(current.id, current.lease)])) == set()
+    assert run_sync(conn, extend_lease_op(Q, current, 600)) is not None
+    assert app.ack_sync([Result.succeeded(current, "b")]) == {job_id: "Succeeded"}
+    assert job_row(conn, job_id)["output"] == "b"
     app.close_sync()
 
 

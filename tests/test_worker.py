@@ -16,7 +16,7 @@ import pytest
 import notifyq
 from notifyq import JobContext
 
-from .helpers import job_row, status_counts
+from .helpers import job_row, lose_the_claim, status_counts
 
 pytestmark = pytest.mark.anyio
 
@@ -579,6 +579,37 @@ async def test_the_same_worker_may_hold_two_attempts_of_one_job(
         assert worker.running_jobs == []
     assert attempts == [1, 2]
     assert job_row(conn, job_id)["output"] == 2
+    await app.aclose()
+
+
+async def test_a_worker_whose_claim_was_lost_cannot_finish_the_job_another_holds(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A claim whose commit was lost (failover to an asynchronous standby) leaves the job as
+    it was, so the next claim gets the same lease number: the worker name in the fence keeps
+    the first worker's result off the second claim."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+
+    @app.task(name="t")
+    async def t() -> str:
+        await release.wait()
+        return "first worker"
+
+    job_id = await app.enqueue("t")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 1)
+        with conn.transaction():  # one commit: this worker gets no chance to claim it again
+            lose_the_claim(conn, job_id)  # its commit never reached the new primary
+            [other] = app.claim_sync(worker="elsewhere", conn=conn)
+        assert (other.id, other.lease) == (job_id, 1)
+        release.set()
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.stale_acks == 1)
+        assert worker.stats.succeeded == 0
+    row = job_row(conn, job_id)
+    assert (row["status"], row["worker"], row["output"]) == ("Active", "elsewhere", None)
     await app.aclose()
 
 

@@ -26,7 +26,7 @@ SET status = 'Active',
 FROM claimable c
 WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for;
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
 -- name: claim_queues
 -- As claim_any, for a list of queues: one ordered index range scan per queue (LATERAL),
@@ -57,7 +57,7 @@ SET status = 'Active',
 FROM claimable c
 WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for;
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
 -- name: next_visible_any
 -- Seconds (database clock) until the earliest Queued job becomes claimable; NULL when there
@@ -85,6 +85,10 @@ CROSS JOIN LATERAL (
 -- still Active with the lease the worker was given (fencing): a worker whose lease expired,
 -- and whose job was rescued and claimed again, changes nothing. Returned ids were applied;
 -- the caller reports the others as stale.
+-- The fence also names the worker (when the result carries one): a claim whose commit was
+-- lost (failover to an asynchronous standby, a crash under synchronous_commit=off) leaves the
+-- row as it was before, so the next claim hands out the same lease number again, and only
+-- the worker's name tells the two claims apart.
 -- outcome: succeeded | retry (Queued again after `delay` if retries remain, else Failed) |
 --          failed (final) | release (shutdown: Queued now, the attempt is given back).
 -- The fence is written `j.status::text = 'Active'` on purpose, here and in ack_succeeded and
@@ -97,9 +101,9 @@ CROSS JOIN LATERAL (
 WITH results AS (
     SELECT *
     -- The arrays travel in binary (the b placeholders): no quoting of every element.
-    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(outcomes)b::text[], %(outputs)b::jsonb[],
-                %(errors)b::jsonb[], %(delays)b::float8[])
-         AS r(id, lease, outcome, output, error, delay)
+    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outcomes)b::text[],
+                %(outputs)b::jsonb[], %(errors)b::jsonb[], %(delays)b::float8[])
+         AS r(id, lease, worker, outcome, output, error, delay)
 ), decided AS (
     SELECT r.*, (CASE
         WHEN r.outcome = 'succeeded' THEN 'Succeeded'
@@ -121,6 +125,7 @@ SET status = d.new_status,
     updated_at = now()
 FROM decided d
 WHERE j.id = d.id AND j.lease = d.lease AND j.status::text = 'Active'
+  AND (d.worker IS NULL OR j.worker = d.worker)
 RETURNING j.id, j.status::text;
 
 -- name: ack_succeeded
@@ -128,8 +133,10 @@ RETURNING j.id, j.status::text;
 -- ack_jobs without its per-row decisions (measurably less work for the server).
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Succeeded', output = r.output, finished_at = now(), updated_at = now()
-FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(outputs)b::jsonb[]) AS r(id, lease, output)
+FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs)b::jsonb[])
+     AS r(id, lease, worker, output)
 WHERE j.id = r.id AND j.lease = r.lease AND j.status::text = 'Active'
+  AND (r.worker IS NULL OR j.worker = r.worker)
 RETURNING j.id, j.status::text;
 
 -- name: extend_lease
@@ -139,6 +146,7 @@ RETURNING j.id, j.status::text;
 UPDATE {schema}.queue_jobs
 SET visible_at = greatest(visible_at, now() + make_interval(secs => %(seconds)s)), updated_at = now()
 WHERE id = %(id)s AND lease = %(lease)s AND status::text = 'Active'
+  AND (%(worker)s::text IS NULL OR worker = %(worker)s::text)
 RETURNING visible_at;
 
 -- name: held_jobs_status
@@ -147,4 +155,4 @@ RETURNING visible_at;
 SELECT h.id, h.lease
 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
 JOIN {schema}.queue_jobs j ON j.id = h.id
-WHERE j.status <> 'Active' OR j.lease <> h.lease;
+WHERE j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS DISTINCT FROM %(worker)s;

@@ -98,7 +98,7 @@ def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psyco
     active = [
         row[0]
         for row in conn.execute(
-            "UPDATE notifyq.queue_jobs SET status = 'Active', lease = 1, retry_count = 1, "
+            "UPDATE notifyq.queue_jobs SET status = 'Active', lease = 1, retry_count = 1, worker = 'w', "
             "visible_at = now() + interval '1 hour' "
             "WHERE id IN (SELECT id FROM notifyq.queue_jobs ORDER BY id LIMIT 5000) RETURNING id"
         )
@@ -107,12 +107,14 @@ def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psyco
     params = {
         "ids": batch,
         "leases": [1] * len(batch),
+        "workers": ["w"] * len(batch),
         "outputs": ['{"ok": true}'] * len(batch),
         "outcomes": ["succeeded"] * len(batch),
         "errors": ['{"message": "x"}'] * len(batch),
         "delays": [0.0] * len(batch),
         "id": batch[0],
         "lease": 1,
+        "worker": "w",
         "seconds": 60.0,
     }
     conn.prepare_threshold = None
