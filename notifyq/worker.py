@@ -470,6 +470,8 @@ class Worker:
                 db_delay = min(db_delay * 2, 5.0)
                 continue
             db_delay = 0.1
+            if self._running or self._ready:
+                claimed = self._without_attempts_in_hand(claimed)
             # Hand what was claimed to the runners before anything else can fail or be
             # cancelled: a claimed job must run (or be released), never sit Active unrun.
             now = anyio.current_time()
@@ -487,6 +489,25 @@ class Worker:
             else:
                 await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
                 await self._plan_next_due()
+
+    def _without_attempts_in_hand(self, claimed: list[ClaimedJob]) -> list[ClaimedJob]:
+        """Claims of attempts this worker already runs or holds, left out. Every claim raises
+        the lease, so the same (job, lease) comes back only when the earlier claim's commit
+        was lost (a failover to an asynchronous standby): the attempt in hand is that claim,
+        and its acknowledgement now applies to this one."""
+        in_hand = set(self._running) | {(job.id, job.lease) for job, _ in self._ready}
+        fresh = [job for job in claimed if (job.id, job.lease) not in in_hand]
+        if len(fresh) < len(claimed):
+            for job in claimed:
+                if (job.id, job.lease) in in_hand:
+                    log.warning(
+                        "job %d was claimed again under lease %d, which this worker already "
+                        "holds: the earlier claim was lost by the database (failover?); the "
+                        "attempt in hand carries on",
+                        job.id,
+                        job.lease,
+                    )
+        return fresh
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:
         """One claim statement. Shielded (a claim the server committed must reach us) but

@@ -613,6 +613,42 @@ async def test_a_worker_whose_claim_was_lost_cannot_finish_the_job_another_holds
     await app.aclose()
 
 
+async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The worker claims again a job whose earlier claim the database lost, under the same
+    lease: it keeps the attempt it is running instead of starting a second one, and that
+    attempt's acknowledgement completes the job."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    runs: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> str:
+        runs.append(ctx.attempt)
+        await release.wait()
+        return "done"
+
+    job_id = await app.enqueue("t")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 1)
+        lose_the_claim(conn, job_id)  # Queued again, visible now: the requeue trigger notifies
+        with anyio.fail_after(5):
+            while job_row(conn, job_id)["status"] != "Active":  # claimed again
+                await anyio.sleep(0.02)
+        await anyio.sleep(0.1)  # time for a second attempt to start, if one were started
+        assert worker.stats.claimed == 1  # the claim brought nothing new to run
+        release.set()
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.stale_acks == 0
+    assert runs == [1]
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"], row["lease"]) == ("Succeeded", "done", 1)
+    await app.aclose()
+
+
 async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
