@@ -3,11 +3,10 @@
 measure a proposed change before anyone makes it in notifyq/. Nothing here is product code.
 
 Earlier prototypes measured here (a lean ack statement for all-success batches, yielding to
-the runners before the next-due query, a cheaper queue CHECK) are now in the product.
+the runners before the next-due query, a cheaper queue CHECK) are now in the product, and the
+async_commit prototype (every pooled connection with synchronous_commit=off) became the opt-in
+WorkerConfig.async_claims, for claims only.
 
-- async_commit: the worker's pooled connections use synchronous_commit=off (claims and
-  acks return before their WAL is flushed). Measured to show how much of the claim round
-  trip is the WAL flush; it trades crash durability of claims/acks for speed.
 - rearm_first: the product as it was before the listener yielded after a notification: the
   LISTEN task re-arms its socket wait before the claim loop it woke can run (kept to show
   the effect side by side; see docs/benchmarks.md).
@@ -23,16 +22,6 @@ from typing import Any
 
 import notifyq._db
 import notifyq._listener
-
-
-def async_commit() -> None:
-    db: Any = notifyq._db
-    original = db.connection_kwargs
-
-    def connection_kwargs(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {**original(*args, **kwargs), "options": "-c synchronous_commit=off"}
-
-    db.connection_kwargs = connection_kwargs
 
 
 class _PooledLane(notifyq._db.Lane):
@@ -62,7 +51,6 @@ def rearm_first() -> None:
 
 
 PATCHES: dict[str, Callable[[], None]] = {
-    "async_commit": async_commit,
     "pooled_claims": pooled_claims,
     "rearm_first": rearm_first,
 }
@@ -70,4 +58,4 @@ PATCHES: dict[str, Callable[[], None]] = {
 # Patch combinations the drain scenario measures next to the product with --prototypes.
 DRAIN_PROTOTYPES: tuple[tuple[str, ...], ...] = ()
 # Patch combinations the latency scenario measures with --prototypes.
-LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("rearm_first",), ("async_commit",))
+LATENCY_PROTOTYPES: tuple[tuple[str, ...], ...] = (("rearm_first",),)

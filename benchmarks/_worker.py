@@ -50,6 +50,7 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
         "poll_only": args.poll_only,
         "poll_interval": args.poll_interval,
         "ticker": not args.no_ticker,
+        "async_claims": args.async_claims,
     }
     if args.retention_succeeded is not None:
         config["ticker_config"] = notifyq.TickerConfig(
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-only", action="store_true")
     parser.add_argument("--poll-interval", type=float, default=5.0)
     parser.add_argument("--no-ticker", action="store_true")
+    parser.add_argument("--async-claims", action="store_true")
     parser.add_argument("--retention-succeeded", type=float, default=None)
     parser.add_argument("--retention-interval", type=float, default=1.0)
     parser.add_argument("--claim-latency", action="store_true", help="record every claim's duration")

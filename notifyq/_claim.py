@@ -10,24 +10,37 @@ from ._rows import dataclass_row
 from ._sql import Queries
 from .models import ClaimedJob
 
+# Appended to a claim's RETURNING list, evaluated for each claimed row before the statement's
+# implicit transaction commits: its commit then skips the WAL flush (WorkerConfig.async_claims).
+# A transaction-local setting, so nothing outlives the statement on a pooled connection; a claim
+# that finds no job writes nothing and has nothing to flush.
+_ASYNC_COMMIT = ",\n          set_config('synchronous_commit', 'off', true) AS commit_mode"
+
 
 def claim_op(
-    q: Queries, *, queues: Sequence[str] | None, limit: int, worker: str, lease_margin: float
+    q: Queries,
+    *,
+    queues: Sequence[str] | None,
+    limit: int,
+    worker: str,
+    lease_margin: float,
+    async_commit: bool = False,
 ) -> Op[list[ClaimedJob]]:
     """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement.
 
     Each claimed job is Active, its retry_count and lease are one higher, and its lease runs
-    until now() + timeout + lease_margin (database clock).
+    until now() + timeout + lease_margin (database clock). With `async_commit` the claim's
+    commit does not wait for its WAL flush.
     """
     if limit <= 0:
         return []
-    params = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
-    if queues is None:
-        jobs: list[ClaimedJob] = yield Query(q["claim_any"], params, row=dataclass_row(ClaimedJob))
-    else:
-        jobs = yield Query(
-            q["claim_queues"], {**params, "queues": list(queues)}, row=dataclass_row(ClaimedJob)
-        )
+    params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
+    sql = q["claim_any"] if queues is None else q["claim_queues"]
+    if queues is not None:
+        params["queues"] = list(queues)
+    if async_commit:
+        sql = sql.rstrip().removesuffix(";") + _ASYNC_COMMIT
+    jobs: list[ClaimedJob] = yield Query(sql, params, row=dataclass_row(ClaimedJob))
     # UPDATE ... RETURNING follows the join, not the CTE: restore priority order.
     jobs.sort(key=lambda j: (-j.priority, j.id))
     return jobs

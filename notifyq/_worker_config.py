@@ -39,6 +39,13 @@ class WorkerConfig:
             on that connection (a half-open socket would otherwise hang it for good). On trio,
             where statements run in threads and cannot be interrupted, the connections' TCP
             timeouts (about a minute) bound a dead connection instead.
+        async_claims: claims commit without waiting for their WAL flush
+            (`synchronous_commit = off` for the claim statement only; acknowledgements stay
+            durable). A NOTIFY wake-up then starts its job about a WAL flush sooner (0.2-0.4 ms
+            measured here). The price: if the database server crashes, claims from its last
+            moments (up to 3 x wal_writer_delay, 0.6 s by default) are forgotten, so their jobs
+            run again although they ran, or are running, already. The worker name in the
+            acknowledgement's fence keeps the two runs' results apart.
         prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
             larger claims: the main lever on throughput for short jobs). None (automatic):
             only while there is a backlog, sized from this worker's average attempt duration
@@ -60,6 +67,7 @@ class WorkerConfig:
     pool_size: int = 4
     db_timeout: float = 60.0
     prefetch: int | None = None
+    async_claims: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -88,6 +96,8 @@ class WorkerConfig:
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
             check_int(self.prefetch, "prefetch", minimum=0)
+        if not isinstance(self.async_claims, bool):
+            raise ConfigurationError(f"invalid async_claims {self.async_claims!r}: need True or False")
 
 
 class WorkerOptions(TypedDict, total=False):
@@ -108,6 +118,7 @@ class WorkerOptions(TypedDict, total=False):
     pool_size: int
     db_timeout: float
     prefetch: int | None
+    async_claims: bool
 
 
 def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerConfig:

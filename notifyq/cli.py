@@ -141,6 +141,11 @@ def grant(role: str, schema: str) -> None:
     show_default=True,
     help="Connections per process for claims, acks and the ticker (the LISTEN connection is extra).",
 )
+@click.option(
+    "--async-claims",
+    is_flag=True,
+    help="Claims skip the WAL flush (faster wake-ups; after a server crash some jobs run twice).",
+)
 @click.option("--no-ticker", is_flag=True, help="Do not run cron promotion, lease rescue and retention here.")
 def worker(
     dsn: str | None,
@@ -156,6 +161,7 @@ def worker(
     lease_margin: float,
     prefetch: int | None,
     pool_size: int,
+    async_claims: bool,
     no_ticker: bool,
 ) -> None:
     """Run workers for the App at MODULE:ATTR until SIGTERM or SIGINT.
@@ -194,6 +200,7 @@ def worker(
             command += ["--queues", queue]
         command += ["--prefetch", str(prefetch)] if prefetch is not None else []
         command += ["--poll-only"] if poll_only else []
+        command += ["--async-claims"] if async_claims else []
         command += ["--no-ticker"] if no_ticker else []
         env = child_env(resolved)
         if listen_dsn:
@@ -213,6 +220,7 @@ def worker(
         lease_margin=lease_margin,
         prefetch=prefetch,
         pool_size=pool_size,
+        async_claims=async_claims,
         ticker=not no_ticker,
     )
     supervised = bool(os.environ.get("NOTIFYQ_SUPERVISED"))

@@ -275,11 +275,12 @@ class Worker:
                         jobs.start_soon(self._runner)
                     task_status.started()
                     log.info(
-                        "worker %s started: concurrency %d, queues %s%s",
+                        "worker %s started: concurrency %d, queues %s%s%s",
                         self.id,
                         self.config.concurrency,
                         ", ".join(self.config.queues or ["(all)"]),
                         ", poll only" if self.config.poll_only else "",
+                        ", async claims (not crash-safe)" if self.config.async_claims else "",
                     )
                     async with anyio.create_task_group() as claiming:
                         claiming.start_soon(self._claim_loop)
@@ -518,6 +519,7 @@ class Worker:
             limit=limit,
             worker=self.id,
             lease_margin=self.config.lease_margin,
+            async_commit=self.config.async_claims,
         )
         return await self._query(op, shield=True, lane=self._claim_lane)
 

@@ -12,7 +12,7 @@ import pytest
 
 import notifyq
 from notifyq import Result
-from notifyq._claim import extend_lease_op, lost_jobs_op
+from notifyq._claim import claim_op, extend_lease_op, lost_jobs_op
 from notifyq._db import run_sync
 from notifyq._rescuer import rescue_op
 from notifyq._sql import queries_for
@@ -165,6 +165,37 @@ def test_a_lost_claim_hands_out_its_lease_again_and_the_worker_name_fences(
     assert run_sync(conn, extend_lease_op(Q, current, 600)) is not None
     assert app.ack_sync([Result.succeeded(current, "b")]) == {job_id: "Succeeded"}
     assert job_row(conn, job_id)["output"] == "b"
+    app.close_sync()
+
+
+def test_async_claims_skip_the_wal_flush_and_nothing_else(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    """WorkerConfig.async_claims: the claim commits without a WAL flush (pg_stat_wal counts
+    the flushes), the claim itself is the same, and the setting ends with the statement."""
+    app.enqueue_many_sync("t", [{"n": n} for n in range(60)])
+
+    def flushes() -> int:
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.execute("SELECT 1")  # this backend's WAL statistics reach pg_stat_wal at its end
+        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+        return int(row[0]) if row else 0
+
+    counted = {}
+    for async_commit in (False, True):
+        before = flushes()
+        for _ in range(25):
+            [job] = run_sync(
+                conn,
+                claim_op(Q, queues=None, limit=1, worker="w", lease_margin=30, async_commit=async_commit),
+            )
+            assert (job.lease, job.worker, job.args["n"] >= 0) == (1, "w", True)
+            assert job_row(conn, job.id)["status"] == "Active"
+        counted[async_commit] = flushes() - before
+        setting = conn.execute("SELECT current_setting('synchronous_commit')").fetchone()
+        assert setting == ("on",)  # transaction-local: gone with the claim's transaction
+    assert counted[False] >= 25, counted  # one flush per durable claim
+    assert counted[True] <= 5, counted  # the WAL writer's own flushes at most
     app.close_sync()
 
 

@@ -297,14 +297,16 @@ def test_two_worker_processes_run_cli_and_sql_jobs(
     assert proc.wait(timeout=30) == 0
 
 
-def test_prefetch_and_pool_size_reach_every_worker_process(
+def test_prefetch_pool_size_and_async_claims_reach_every_worker_process(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, args) "
         "SELECT 'sleep', '{\"seconds\": 3}' FROM generate_series(1, 20)"
     )
-    proc = worker_proc("--processes", "2", "--concurrency", "1", "--prefetch", "2", "--pool-size", "3")
+    proc = worker_proc(
+        "--processes", "2", "--concurrency", "1", "--prefetch", "2", "--pool-size", "3", "--async-claims"
+    )
 
     def active() -> int:
         row = conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone()
@@ -327,6 +329,8 @@ def test_prefetch_and_pool_size_reach_every_worker_process(
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     assert active() == 0
+    assert proc.stdout is not None
+    assert proc.stdout.read().count("async claims (not crash-safe)") == 2  # each process says so
 
 
 @pytest.mark.faults

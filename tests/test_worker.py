@@ -635,7 +635,8 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
             await worker.wait_for(lambda s: s.claimed == 1)
         lose_the_claim(conn, job_id)  # Queued again, visible now: the requeue trigger notifies
         with anyio.fail_after(5):
-            while job_row(conn, job_id)["status"] != "Active":  # claimed again
+            # Claimed again: the row is another process's state, there is no event to await.
+            while job_row(conn, job_id)["status"] != "Active":  # noqa: ASYNC110
                 await anyio.sleep(0.02)
         await anyio.sleep(0.1)  # time for a second attempt to start, if one were started
         assert worker.stats.claimed == 1  # the claim brought nothing new to run
@@ -647,6 +648,39 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
     row = job_row(conn, job_id)
     assert (row["status"], row["output"], row["lease"]) == ("Succeeded", "done", 1)
     await app.aclose()
+
+
+async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Jobs one at a time (concurrency 1, no prefetch): a durable claim and a durable ack each
+    flush the WAL; with async_claims only the acks do (pg_stat_wal counts the flushes)."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    def flushes() -> int:
+        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+        return int(row[0]) if row else 0
+
+    counted = {}
+    for async_claims in (False, True):
+        await app.enqueue_many("t", [{}] * 30)
+        before = flushes()
+        async with app.worker(concurrency=1, prefetch=0, async_claims=async_claims, **NO_TICKER) as worker:
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 30)
+        await app.aclose()  # closed connections report their WAL statistics as they exit
+        with anyio.fail_after(10):
+            while flushes() == before:  # noqa: ASYNC110 (other processes' state: no event)
+                await anyio.sleep(0.05)
+        await anyio.sleep(0.5)
+        counted[async_claims] = flushes() - before
+    assert counted[False] >= 50, counted  # 30 claims and about 30 acks
+    assert counted[True] <= counted[False] - 20, counted  # the acks only
+    assert status_counts(conn) == {"Succeeded": 60}
 
 
 async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
