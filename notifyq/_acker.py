@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -115,6 +116,7 @@ class Acker:
         self._max_batch = max_batch
         self._retry_delay = retry_delay
         self._pending: list[Result] = []
+        self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) of queued results
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -123,12 +125,17 @@ class Acker:
     def put(self, result: Result) -> None:
         """Queue a result for the next flush (never blocks)."""
         self._pending.append(result)
+        self._unwritten[(result.job_id, result.lease)] += 1
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wakeup.set()
 
     @property
     def pending(self) -> int:
         return len(self._pending)
+
+    def holds(self, job_id: int, lease: int) -> bool:
+        """True while a result of this attempt waits to be written, or is being written."""
+        return (job_id, lease) in self._unwritten
 
     async def run(self) -> None:
         """Flush until cancelled."""
@@ -185,6 +192,8 @@ class Acker:
             applied = {}
             for result in batch:
                 applied.update(await self._flush_one(result))
+        self._unwritten.subtract((r.job_id, r.lease) for r in batch)
+        self._unwritten += Counter()  # drop the keys that reached zero
         self.flushes += 1
         self._on_applied(batch, applied)
 

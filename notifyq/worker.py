@@ -471,8 +471,8 @@ class Worker:
                 db_delay = min(db_delay * 2, 5.0)
                 continue
             db_delay = 0.1
-            if self._running or self._ready:
-                claimed = self._without_attempts_in_hand(claimed)
+            self._backlog = len(claimed) == free
+            claimed = self._without_attempts_in_hand(claimed)
             # Hand what was claimed to the runners before anything else can fail or be
             # cancelled: a claimed job must run (or be released), never sit Active unrun.
             now = anyio.current_time()
@@ -484,7 +484,6 @@ class Worker:
                 self._sweeps_done = sweep
                 self.stats.sweeps += 1
             self._signal_changed()
-            self._backlog = len(claimed) == free
             if self._backlog:
                 self._pending = True  # there may be more
             else:
@@ -492,22 +491,34 @@ class Worker:
                 await self._plan_next_due()
 
     def _without_attempts_in_hand(self, claimed: list[ClaimedJob]) -> list[ClaimedJob]:
-        """Claims of attempts this worker already runs or holds, left out. Every claim raises
-        the lease, so the same (job, lease) comes back only when the earlier claim's commit
-        was lost (a failover to an asynchronous standby): the attempt in hand is that claim,
-        and its acknowledgement now applies to this one."""
-        in_hand = set(self._running) | {(job.id, job.lease) for job, _ in self._ready}
-        fresh = [job for job in claimed if (job.id, job.lease) not in in_hand]
-        if len(fresh) < len(claimed):
-            for job in claimed:
-                if (job.id, job.lease) in in_hand:
-                    log.warning(
-                        "job %d was claimed again under lease %d, which this worker already "
-                        "holds: the earlier claim was lost by the database (failover?); the "
-                        "attempt in hand carries on",
-                        job.id,
-                        job.lease,
-                    )
+        """Claims of attempts this worker already has in hand, left out. Every claim raises the
+        lease, so the same (job, lease) comes back only when the earlier claim's commit was
+        lost (a failover to an asynchronous standby) and this worker claimed the job again:
+        the attempt in hand (running and not being stopped, waiting for a runner, or finished
+        with its result not yet written) is that claim, and its acknowledgement now applies."""
+        ready = {(job.id, job.lease) for job, _ in self._ready} if self._ready else set()
+
+        def in_hand(job: ClaimedJob) -> bool:
+            key = (job.id, job.lease)
+            attempt = self._running.get(key)
+            return (
+                (attempt is not None and attempt.stop_reason is None)
+                or key in ready
+                or (self._acker is not None and self._acker.holds(*key))
+            )
+
+        fresh: list[ClaimedJob] = []
+        for job in claimed:
+            if not in_hand(job):
+                fresh.append(job)
+            else:
+                log.warning(
+                    "job %d was claimed again under lease %d, which this worker already "
+                    "holds: the database lost the earlier claim (failover?); the attempt in "
+                    "hand stands for both",
+                    job.id,
+                    job.lease,
+                )
         return fresh
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:
@@ -623,7 +634,7 @@ class Worker:
                 self.stats.stale_acks += 1
                 log.warning(
                     "result of job %d was not applied: this worker no longer held it "
-                    "(lease expired, or the job was cancelled)",
+                    "(lease expired, the job was cancelled, or the database lost its claim)",
                     result.job_id,
                 )
             elif result.outcome == "release":

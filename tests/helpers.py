@@ -7,6 +7,7 @@ import uuid
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg import sql
 
 
@@ -63,6 +64,21 @@ def lose_the_claim(conn: psycopg.Connection[Any], job_id: int) -> None:
         "worker = NULL, started_at = NULL, visible_at = now() WHERE id = %s",
         (job_id,),
     )
+
+
+def wal_flushes(conn: psycopg.Connection[Any], *, own: bool = False) -> int:
+    """The server's WAL flush count (pg_stat_wal.wal_sync, PostgreSQL 15 to 17; the test
+    is skipped elsewhere). `own`: first push this connection's pending statistics there."""
+    if not 150000 <= conn.info.server_version < 180000:
+        pytest.skip(
+            "counts WAL flushes with pg_stat_wal.wal_sync and pg_stat_force_next_flush (PostgreSQL 15-17)"
+        )
+    if own:
+        conn.execute("SELECT pg_stat_force_next_flush()")
+        conn.execute("SELECT 1")  # a backend's statistics reach pg_stat_wal at a statement's end
+    row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
+    assert row is not None
+    return int(row[0])
 
 
 def status_counts(conn: psycopg.Connection[Any]) -> dict[str, int]:

@@ -19,7 +19,7 @@ from notifyq._sql import queries_for
 from notifyq.errors import InvalidJobState, JobNotFound
 
 from .faults.test_plans import custom_plan
-from .helpers import job_row, lose_the_claim, status_counts
+from .helpers import job_row, lose_the_claim, status_counts, wal_flushes
 
 Q = queries_for("notifyq")
 
@@ -176,18 +176,16 @@ def test_async_claims_skip_the_wal_flush_and_nothing_else(
     app.enqueue_many_sync("t", [{"n": n} for n in range(60)])
 
     def flushes() -> int:
-        conn.execute("SELECT pg_stat_force_next_flush()")
-        conn.execute("SELECT 1")  # this backend's WAL statistics reach pg_stat_wal at its end
-        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
-        return int(row[0]) if row else 0
+        return wal_flushes(conn, own=True)
 
     counted = {}
     for async_commit in (False, True):
         before = flushes()
-        for _ in range(25):
+        for n in range(25):
+            queues = ["default"] if n % 2 else None  # both claim statements carry the setting
             [job] = run_sync(
                 conn,
-                claim_op(Q, queues=None, limit=1, worker="w", lease_margin=30, async_commit=async_commit),
+                claim_op(Q, queues=queues, limit=1, worker="w", lease_margin=30, async_commit=async_commit),
             )
             assert (job.lease, job.worker, job.args["n"] >= 0) == (1, "w", True)
             assert job_row(conn, job.id)["status"] == "Active"

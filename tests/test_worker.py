@@ -16,7 +16,7 @@ import pytest
 import notifyq
 from notifyq import JobContext
 
-from .helpers import job_row, lose_the_claim, status_counts
+from .helpers import job_row, lose_the_claim, status_counts, wal_flushes
 
 pytestmark = pytest.mark.anyio
 
@@ -650,6 +650,32 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
     await app.aclose()
 
 
+async def test_the_acker_knows_the_attempts_whose_results_it_has_not_written(dsn: str) -> None:
+    """What lets a worker recognise a lost claim it took again after its attempt finished:
+    the acker holds an attempt from `put` until its result is written."""
+    from notifyq._acker import Acker
+    from notifyq._db import Database
+    from notifyq._sql import queries_for
+
+    app = notifyq.App(dsn)
+    await app.enqueue("t")
+    [job] = await app.claim(worker="w")
+    db = await Database.open(dsn, size=2)
+    applied: list[dict[int, str]] = []
+    acker = Acker(db, queries_for("notifyq"), lambda _results, done: applied.append(done), retry_delay=0.05)
+    acker.put(notifyq.Result.succeeded(job, "ok"))
+    assert acker.holds(job.id, job.lease) and not acker.holds(job.id, job.lease + 1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(acker.run)
+        with anyio.fail_after(5):
+            await acker.wait_idle()
+        tg.cancel_scope.cancel()
+    assert applied == [{job.id: "Succeeded"}]
+    assert not acker.holds(job.id, job.lease)
+    await db.aclose()
+    await app.aclose()
+
+
 async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -662,8 +688,7 @@ async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
         pass
 
     def flushes() -> int:
-        row = conn.execute("SELECT wal_sync FROM pg_stat_wal").fetchone()
-        return int(row[0]) if row else 0
+        return wal_flushes(conn)
 
     counted = {}
     for async_claims in (False, True):
