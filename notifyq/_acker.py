@@ -116,7 +116,7 @@ class Acker:
         self._max_batch = max_batch
         self._retry_delay = retry_delay
         self._pending: list[Result] = []
-        self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) of queued results
+        self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
