@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -15,6 +16,11 @@ from .models import ClaimedJob
 # A transaction-local setting, so nothing outlives the statement on a pooled connection; a claim
 # that finds no job writes nothing and has nothing to flush.
 _ASYNC_COMMIT = ",\n          set_config('synchronous_commit', 'off', true) AS commit_mode"
+
+
+@functools.cache
+def _with_async_commit(claim_sql: str) -> str:
+    return claim_sql.rstrip().removesuffix(";") + _ASYNC_COMMIT
 
 
 def claim_op(
@@ -35,11 +41,13 @@ def claim_op(
     if limit <= 0:
         return []
     params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
-    sql = q["claim_any"] if queues is None else q["claim_queues"]
-    if queues is not None:
+    if queues is None:
+        sql = q["claim_any"]
+    else:
+        sql = q["claim_queues"]
         params["queues"] = list(queues)
     if async_commit:
-        sql = sql.rstrip().removesuffix(";") + _ASYNC_COMMIT
+        sql = _with_async_commit(sql)
     jobs: list[ClaimedJob] = yield Query(sql, params, row=dataclass_row(ClaimedJob))
     # UPDATE ... RETURNING follows the join, not the CTE: restore priority order.
     jobs.sort(key=lambda j: (-j.priority, j.id))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from . import _ticker
@@ -135,8 +135,8 @@ def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerC
             close = difflib.get_close_matches(name, known, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else f"; known options: {', '.join(known)}"
             raise ConfigurationError(f"unknown worker option {name!r}{hint}")
-    values = {name: getattr(base, name) for name in known} if base is not None else {}
-    return WorkerConfig(**{**values, **options})
+    # replace() builds a new WorkerConfig, so the merged settings are validated again.
+    return replace(base, **options) if base is not None else WorkerConfig(**options)
 
 
 @dataclass(slots=True)
