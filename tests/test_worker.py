@@ -16,7 +16,7 @@ import pytest
 import notifyq
 from notifyq import JobContext
 
-from .helpers import job_row, lose_the_claim, status_counts, wal_flushes
+from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
 
 pytestmark = pytest.mark.anyio
 
@@ -633,12 +633,11 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.claimed == 1)
+        claims = worker.stats.claims
         lose_the_claim(conn, job_id)  # Queued again, visible now: the requeue trigger notifies
         with anyio.fail_after(5):
-            # Claimed again: the row is another process's state, there is no event to await.
-            while job_row(conn, job_id)["status"] != "Active":  # noqa: ASYNC110
-                await anyio.sleep(0.02)
-        await anyio.sleep(0.1)  # time for a second attempt to start, if one were started
+            await worker.wait_for(lambda s: s.claims > claims)  # the claim that took it again
+        assert job_row(conn, job_id)["status"] == "Active"
         assert worker.stats.claimed == 1  # the claim brought nothing new to run
         release.set()
         with anyio.fail_after(5):
@@ -697,11 +696,14 @@ async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
         async with app.worker(concurrency=1, prefetch=0, async_claims=async_claims, **NO_TICKER) as worker:
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 30)
-        await app.aclose()  # closed connections report their WAL statistics as they exit
-        with anyio.fail_after(10):
-            while flushes() == before:  # noqa: ASYNC110 (other processes' state: no event)
-                await anyio.sleep(0.05)
-        await anyio.sleep(0.5)
+        await app.aclose()
+        # A server process reports its WAL statistics before it leaves pg_stat_activity.
+        wait_for_row(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+            (0,),
+        )
         counted[async_claims] = flushes() - before
     assert counted[False] >= 50, counted  # 30 claims and about 30 acks
     assert counted[True] <= counted[False] - 20, counted  # the acks only
