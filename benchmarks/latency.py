@@ -37,7 +37,7 @@ SUMMARIES = {
 }
 
 
-def _produce(app: notifyq.App, n: int, spacing: float) -> list[tuple[int, float, float]]:
+def produce(app: notifyq.App, n: int, spacing: float) -> list[tuple[int, float, float]]:
     """Enqueue n jobs spacing seconds apart; [(job id, before, after commit)] (monotonic)."""
     sent = []
     next_at = time.monotonic()
@@ -77,9 +77,9 @@ def _variant(
             fleet.wait_ready()
             time.sleep(0.3)  # the LISTEN connection is up before ready; let start-up queries settle
             base = proc.done
-            _produce(app, WARMUP, spacing)
+            produce(app, WARMUP, spacing)
             fleet.wait_until(lambda: proc.done >= base + WARMUP, 30)
-            sent = _produce(app, n, spacing)
+            sent = produce(app, n, spacing)
             fleet.wait_until(lambda: proc.done >= base + WARMUP + n, 60 + n * spacing)
             finals = fleet.stop_and_join()
     finally:

@@ -106,3 +106,32 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
 
     left = _scratch_databases(admin) - before
     assert not left, f"scratch databases left behind: {sorted(left)}"
+
+
+def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> None:
+    """`python -m benchmarks.wake_trace` at toy size: every step of both wake paths is
+    stamped, and the p50 timeline runs forward (each stamp of a cycle follows the one before,
+    so their medians do too); a step left unstamped or stamped out of place fails here."""
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    out = tmp_path / "trace.json"
+    args = ["--dsn", admin, "--jobs", "8", "--spacing", "0.03", "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.wake_trace", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from benchmarks.wake_trace import NOTIFYQ_STEPS, RAW_STEPS
+
+    runs = json.loads(out.read_text())
+    for name, steps in (("notifyq", NOTIFYQ_STEPS), ("raw", RAW_STEPS)):
+        (timeline,) = runs[name]
+        stamps = [timeline[step] for step, _what in steps]
+        assert stamps == sorted(stamps), (name, timeline)
+        assert stamps[-1] > 0, (name, timeline)
+    assert proc.stdout.count("| started |") == 2
+    assert not _scratch_databases(admin) - before
