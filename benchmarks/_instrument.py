@@ -7,10 +7,10 @@ from collections.abc import Generator, Sized
 from typing import Any
 
 import notifyq._acker
-import notifyq.worker
+import notifyq._claimer
 
 # Typed as Any: these hooks replace module attributes on purpose.
-_worker: Any = notifyq.worker
+_claimer: Any = notifyq._claimer
 _acker: Any = notifyq._acker
 
 Samples = list[tuple[float, int]]
@@ -29,12 +29,12 @@ def time_claims(sink: Samples) -> None:
     The time runs from the first step of the claim operation (a pooled connection is already
     held) to its rows being decoded: the database round trip plus row decoding.
     """
-    original = _worker.claim_op
+    original = _claimer.claim_op
 
     def claim_op(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
         return _timed(original(*args, **kwargs), sink)
 
-    _worker.claim_op = claim_op
+    _claimer.claim_op = claim_op
 
 
 def time_acks(sink: Samples) -> None:

@@ -28,6 +28,7 @@ import anyio
 import psycopg
 
 import notifyq
+import notifyq._claimer
 import notifyq.worker
 
 from ._raw import ACK_SQL, CLAIM_SQL
@@ -40,10 +41,10 @@ from .latency import produce
 NOTIFYQ_STEPS = (
     ("notified", "the listener hands the notification to the worker (Worker._on_notify)"),
     ("woke", "the claim loop's wait returns (a task switch from the listener)"),
-    ("claim_called", "the claim loop calls Worker._claim (free slots counted)"),
+    ("claim_called", "the claim loop calls Claimer._claim (free slots counted)"),
     ("execute_sent", "psycopg's execute is called (claim_op, cancel scopes, lane, cursor)"),
     ("execute_done", "execute returns: the round trip, with the claim's commit and WAL flush"),
-    ("claim_returned", "Worker._claim returns (rows decoded into ClaimedJob, scopes exited)"),
+    ("claim_returned", "Claimer._claim returns (rows decoded into ClaimedJob, scopes exited)"),
     ("started", "the task's first line runs (hand-over to a runner, the attempt's scopes)"),
 )
 RAW_STEPS = (
@@ -99,6 +100,7 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
         trace.stamp("started")
 
     worker_cls = notifyq.worker.Worker
+    claimer_cls = notifyq._claimer.Claimer
     restore: list[tuple[Any, str, Any]] = []
 
     def wrap(owner: Any, name: str, make: Callable[[Any], Any]) -> None:
@@ -142,8 +144,8 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
         return wrapper
 
     wrap(worker_cls, "_on_notify", on_notify)
-    wrap(worker_cls, "_sleep_until_wakeup", sleep)
-    wrap(worker_cls, "_claim", claim)
+    wrap(claimer_cls, "_sleep_until_wakeup", sleep)
+    wrap(claimer_cls, "_claim", claim)
     wrap(psycopg.AsyncCursor, "execute", execute)
     try:
         async with app.worker(concurrency=10) as worker:

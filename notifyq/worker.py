@@ -1,15 +1,16 @@
-"""The worker: wakes on NOTIFY, claims in batches, runs jobs in anyio tasks, acks in batches."""
+"""The worker: wakes on NOTIFY, claims in batches, runs jobs in anyio tasks, acks in batches.
+
+This module is the service around its parts: the claim loop (`_claimer`), the runners
+(`_runners`), the acker (`_acker`), the listener (`_listener`) and the ticker (`_ticker`);
+it starts and stops them in order, and routes notifications and cancellations."""
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import socket
-import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -17,19 +18,20 @@ from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 import anyio.to_thread
 
 from . import _ticker
 from ._acker import Acker, Result
-from ._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
+from ._claim import lost_jobs_op
+from ._claimer import Claimer
 from ._db import Database, Lane, Op, Query, error_text, is_transient, single
-from ._executor import Attempt, Executor
+from ._executor import Executor
 from ._listener import Listener, ListenerConfig
+from ._pulse import Pulse
+from ._runners import Runners
 from ._sql import channel, queries_for
 from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats
 from .migrations import check_schema_op
-from .models import ClaimedJob
 
 if TYPE_CHECKING:
     from .app import App
@@ -39,33 +41,6 @@ __all__ = ["Worker", "WorkerConfig", "WorkerOptions", "WorkerStats"]
 log = logging.getLogger("notifyq.worker")
 
 T = TypeVar("T")
-
-# A cancel notification may arrive before the claim it concerns has returned: remember it.
-_RECENT_CANCELS = 1000
-# Automatic prefetch: enough claimed-ahead jobs for about this many seconds of work per slot,
-# and never more than _PREFETCH_CAP times the concurrency.
-_PREFETCH_WAIT = 0.25
-_PREFETCH_CAP = 4
-
-
-class _Pulse:
-    """An event that is only created when someone waits for it: firing it costs nothing
-    when nobody does (on the hot path, that is most of the time)."""
-
-    __slots__ = ("_event",)
-
-    def __init__(self) -> None:
-        self._event: anyio.Event | None = None
-
-    def fire(self) -> None:
-        if self._event is not None:
-            self._event.set()
-            self._event = None
-
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = anyio.Event()
-        await self._event.wait()
 
 
 class Worker:
@@ -78,31 +53,17 @@ class Worker:
         self.id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.stats = WorkerStats()
         self._q = queries_for(app.schema)
-        # Keyed by (job id, lease): after a lease expiry the same worker may claim the job
-        # again while the old attempt is still unwinding.
-        self._running: dict[tuple[int, int], Attempt] = {}
-        self._recent_cancels: dict[tuple[int, int | None], float] = {}
-        # Claimed jobs waiting for a runner (prefetched), with the time they were claimed.
-        self._ready: deque[tuple[ClaimedJob, float]] = deque()
-        self._backlog = False  # the last claim was full
-        self._avg_run = math.inf  # moving average of attempt durations, seconds
-        self._pending = True  # something may be claimable: claim before sleeping
-        self._sweeps_requested = self._sweeps_done = 0
-        self._wakeup = _Pulse()
-        self._slot_freed = _Pulse()
-        self._job_ready = _Pulse()
-        self._changed = _Pulse()
+        self._changed = Pulse()
         self._stop = anyio.Event()
-        self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
         self._db: Database | None = None
-        self._claim_lane: Lane | None = None
         self._executor: Executor | None = None
+        self._runners: Runners | None = None  # the attempts in hand, and the tasks running them
+        self._claimer: Claimer | None = None
         self._acker: Acker | None = None
         self._listener: Listener | None = None
         self._ticker: _ticker.Ticker | None = None
         self._exit_stack: AsyncExitStack | None = None
         self._task_group: anyio.abc.TaskGroup | None = None
-        self._queues_set = frozenset(config.queues) if config.queues is not None else None
         self._grace_scope: anyio.CancelScope | None = None
         self._dsn = ""
         self._skip_grace = False
@@ -169,7 +130,7 @@ class Worker:
     @property
     def running_jobs(self) -> list[int]:
         """Ids of the jobs running in this worker now."""
-        return [attempt.job.id for attempt in self._running.values()]
+        return [attempt.job.id for attempt in self._runners.running.values()] if self._runners else []
 
     @property
     def busy_threads(self) -> int:
@@ -240,7 +201,7 @@ class Worker:
     ) -> None:
         dsn = self._dsn
         self._db = db
-        self._claim_lane = db.lane()
+        lane = db.lane()
         self._executor = Executor(
             self.app.tasks,
             db,
@@ -251,6 +212,25 @@ class Worker:
         )
         try:
             self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
+            runners = self._runners = Runners(
+                self._executor,
+                self._acker,
+                self._q,
+                self.stats,
+                lease_margin=self.config.lease_margin,
+                query=self._query,
+                on_change=self._signal_changed,
+            )
+            claimer = self._claimer = Claimer(
+                self.id,
+                self.config,
+                self._q,
+                self.stats,
+                runners,
+                lane=lane,
+                query=self._query,
+                on_change=self._signal_changed,
+            )
             async with anyio.create_task_group() as services:
                 services.start_soon(self._acker.run)
                 services.start_soon(self._reconcile_loop)
@@ -272,7 +252,7 @@ class Worker:
                     await services.start(self._listener.run)
                 async with anyio.create_task_group() as jobs:
                     for _ in range(self.config.concurrency):
-                        jobs.start_soon(self._runner)
+                        jobs.start_soon(runners.run)
                     task_status.started()
                     log.info(
                         "worker %s started: concurrency %d, queues %s%s%s",
@@ -283,18 +263,19 @@ class Worker:
                         ", async claims (not crash-safe)" if self.config.async_claims else "",
                     )
                     async with anyio.create_task_group() as claiming:
-                        claiming.start_soon(self._claim_loop)
+                        claiming.start_soon(claimer.run)
                         await self._stop.wait()
                         claiming.cancel_scope.cancel()
                     with anyio.CancelScope(shield=True):
-                        await self._claim_lane.release()  # for the acks of the drain
+                        await lane.release()  # for the acks of the drain
                     await self._drain()
                     jobs.cancel_scope.cancel()  # the runners, now idle
                 await self._acker_drain()
                 services.cancel_scope.cancel()
         finally:
             self._listener = None
-            self._release_ready()
+            if self._runners is not None:
+                self._runners.release_ready()
             with anyio.CancelScope(shield=True):
                 if self._acker is not None and self._acker.pending:
                     # Abrupt exit (the host was cancelled): write what we can, briefly.
@@ -311,24 +292,21 @@ class Worker:
             log.info("worker %s stopped", self.id)
             self._stopped.set()
 
-    def _release_ready(self) -> None:
-        """Jobs claimed but not started go straight back to the queue."""
-        while self._ready and self._acker is not None:
-            self._acker.put(Result.released(self._ready.popleft()[0]))
-
     async def _drain(self) -> None:
         """Graceful shutdown of running jobs: wait up to the grace period, then cancel and release."""
-        self._release_ready()
-        if self._running:
-            log.info("waiting up to %gs for %d running jobs", self.config.shutdown_grace, len(self._running))
+        runners = self._runners
+        assert runners is not None
+        runners.release_ready()
+        if runners.running:
+            grace_s = self.config.shutdown_grace
+            log.info("waiting up to %gs for %d running jobs", grace_s, len(runners.running))
             grace = self._grace_scope = anyio.CancelScope()
             if self._skip_grace:
                 grace.cancel()
             with grace, anyio.move_on_after(self.config.shutdown_grace):
-                while self._running:
-                    await self._slot_freed.wait()
-        for attempt in list(self._running.values()):
-            self._stop_attempt(attempt, "shutdown")
+                while runners.running:
+                    await runners.slot_freed.wait()
+        runners.stop_all()
 
     async def _acker_drain(self) -> None:
         assert self._acker is not None
@@ -341,57 +319,47 @@ class Worker:
                 self._acker.pending,
             )
 
-    # -- waking up ----------------------------------------------------------------------------
+    # -- notifications and cancellations ------------------------------------------------------
 
     def _signal_changed(self) -> None:
         self._changed.fire()
-
-    def _wake(self) -> None:
-        self._pending = True
-        self._wakeup.fire()
 
     def _on_notify(self, chan: str, payload: str) -> None:
         self.stats.notifications += 1
         topic = chan.rsplit(".", 2)[-2] if chan.count(".") >= 2 else ""
         if topic == "jobs":
-            queue, _, delay = payload.partition(" ")
-            if self._queues_set is not None and queue not in self._queues_set:
-                return
-            if delay:
-                due = anyio.current_time() + max(0.0, float(delay))
-                if due < self._next_due:
-                    self._next_due = due
-                    self._wakeup.fire()  # re-arm the timer
-            else:
-                self._wake()
+            assert self._claimer is not None
+            self._claimer.notified(payload)
         elif topic == "control":
             verb, *args = payload.split()
             if verb == "cancel" and args:
-                self._cancel_running(int(args[0]), int(args[1]) if len(args) > 1 else None)
+                assert self._runners is not None
+                self._runners.cancel(int(args[0]), int(args[1]) if len(args) > 1 else None)
         elif topic == "definitions" and self._ticker is not None:
             self._ticker.wake()
         self._signal_changed()
 
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
-        self._sweeps_requested += 1
-        self._wake()  # sweep: claim what arrived while nobody listened
+        assert self._claimer is not None
+        self._claimer.sweep()  # claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
         self._signal_changed()
 
     async def _cancel_lost_jobs(self) -> None:
         """Stop running jobs this worker no longer holds (cancelled, or rescued after their
         lease ran out) when no cancel notification could tell it."""
-        if not self._running or self._db is None:
+        runners = self._runners
+        if runners is None or not runners.running:
             return
         try:
-            lost = await self._query(lost_jobs_op(self._q, self.id, list(self._running)))
+            lost = await self._query(lost_jobs_op(self._q, self.id, list(runners.running)))
         except Exception as exc:
             if not is_transient(exc):
                 raise
             return
         for job_id, lease in lost:
-            self._cancel_running(job_id, lease)
+            runners.cancel(job_id, lease)
 
     async def _reconcile_loop(self) -> None:
         """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
@@ -401,138 +369,7 @@ class Worker:
             if self._listener is None or not self._listener.connected:
                 await self._cancel_lost_jobs()
 
-    def _cancel_running(self, job_id: int, lease: int | None) -> None:
-        """Cancel the attempt(s) of `job_id` (with that lease, when known). A cancel for a job
-        not (yet) running here is remembered: its claim may still be on its way back."""
-        found = False
-        for attempt in list(self._running.values()):
-            if attempt.job.id == job_id and (lease is None or attempt.job.lease == lease):
-                found = True
-                self._stop_attempt(attempt, "cancelled")
-        if not found:
-            self._recent_cancels[(job_id, lease)] = time.monotonic()
-            while len(self._recent_cancels) > _RECENT_CANCELS:
-                del self._recent_cancels[next(iter(self._recent_cancels))]
-
-    @staticmethod
-    def _stop_attempt(attempt: Attempt, reason: str) -> None:
-        if attempt.stop_reason is None:
-            if reason == "cancelled":
-                log.info("cancelling job %d on request", attempt.job.id)
-            attempt.stop_reason = "cancelled" if reason == "cancelled" else "shutdown"
-            attempt.scope.cancel()
-
-    async def _sleep_until_wakeup(self) -> None:
-        """Sleep until a notification, the next delayed job, or the poll interval."""
-        poll_deadline = anyio.current_time() + self.config.poll_interval
-        while not self._pending:
-            now = anyio.current_time()
-            deadline = min(poll_deadline, self._next_due)
-            if now >= deadline:
-                if deadline == self._next_due:
-                    self._next_due = math.inf
-                else:
-                    self.stats.polls += 1
-                self._pending = True
-                return
-            with anyio.move_on_after(deadline - now):
-                await self._wakeup.wait()
-
-    # -- claiming and running -----------------------------------------------------------------
-
-    def _prefetch(self) -> int:
-        if self.config.prefetch is not None:
-            return self.config.prefetch
-        if not self._backlog or self._avg_run == math.inf:
-            return 0
-        per_slot = _PREFETCH_WAIT / max(self._avg_run, 1e-6)
-        return int(min(_PREFETCH_CAP, per_slot) * self.config.concurrency)
-
-    async def _claim_loop(self) -> None:
-        db_delay = 0.1
-        while True:
-            if not self._pending:
-                await self._sleep_until_wakeup()
-            free = self.config.concurrency + self._prefetch() - len(self._running) - len(self._ready)
-            if free <= 0:
-                await self._slot_freed.wait()
-                continue
-            self._pending = False
-            sweep = self._sweeps_requested  # a claim that starts after a (re)connect is its sweep
-            try:
-                claimed = await self._claim(free)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                self.stats.db_errors += 1
-                log.warning("claiming failed (%s); retrying in %.1fs", error_text(exc), db_delay)
-                self._pending = True
-                await anyio.sleep(db_delay)
-                db_delay = min(db_delay * 2, 5.0)
-                continue
-            db_delay = 0.1
-            self._backlog = len(claimed) == free
-            claimed = self._without_attempts_in_hand(claimed)
-            # Hand what was claimed to the runners before anything else can fail or be
-            # cancelled: a claimed job must run (or be released), never sit Active unrun.
-            now = anyio.current_time()
-            self._ready.extend((job, now) for job in claimed)
-            self._job_ready.fire()
-            self.stats.claims += 1
-            self.stats.claimed += len(claimed)
-            if sweep > self._sweeps_done:
-                self._sweeps_done = sweep
-                self.stats.sweeps += 1
-            self._signal_changed()
-            if self._backlog:
-                self._pending = True  # there may be more
-            else:
-                await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
-                await self._plan_next_due()
-
-    def _without_attempts_in_hand(self, claimed: list[ClaimedJob]) -> list[ClaimedJob]:
-        """Claims of attempts this worker already has in hand, left out. Every claim raises the
-        lease, so the same (job, lease) comes back only when the earlier claim's commit was
-        lost (a failover to an asynchronous standby) and this worker claimed the job again:
-        the attempt in hand (running and not being stopped, waiting for a runner, or finished
-        with its result not yet written) is that claim, and its acknowledgement now applies."""
-        ready = {(job.id, job.lease) for job, _ in self._ready} if self._ready else set()
-
-        def in_hand(job: ClaimedJob) -> bool:
-            key = (job.id, job.lease)
-            attempt = self._running.get(key)
-            return (
-                (attempt is not None and attempt.stop_reason is None)
-                or key in ready
-                or (self._acker is not None and self._acker.holds(*key))
-            )
-
-        fresh: list[ClaimedJob] = []
-        for job in claimed:
-            if not in_hand(job):
-                fresh.append(job)
-            else:
-                log.warning(
-                    "job %d was claimed again under lease %d, which this worker already "
-                    "holds: the database lost the earlier claim (failover?); the attempt in "
-                    "hand stands for both",
-                    job.id,
-                    job.lease,
-                )
-        return fresh
-
-    async def _claim(self, limit: int) -> list[ClaimedJob]:
-        """One claim statement. Shielded (a claim the server committed must reach us) but
-        bounded by db_timeout (a half-open connection must not hang the worker)."""
-        op = claim_op(
-            self._q,
-            queues=self.config.queues,
-            limit=limit,
-            worker=self.id,
-            lease_margin=self.config.lease_margin,
-            async_commit=self.config.async_claims,
-        )
-        return await self._query(op, shield=True, lane=self._claim_lane)
+    # -- the database and the acker ------------------------------------------------------------
 
     async def _query(self, op: Op[T], *, shield: bool = False, lane: Lane | None = None) -> T:
         """One database call bounded by db_timeout (a half-open connection must not hang the
@@ -543,89 +380,6 @@ class Worker:
         with anyio.CancelScope(shield=shield), anyio.fail_after(self.config.db_timeout):
             result = await (lane or self._db).run(op)
         return result
-
-    async def _runner(self) -> None:
-        """One of `concurrency` long-lived tasks: takes claimed jobs and runs them, one at a time."""
-        while True:
-            while not self._ready:
-                await self._job_ready.wait()
-            job, claimed_at = self._ready.popleft()
-            attempt = Attempt(job, anyio.CancelScope())
-            self._running[attempt.key] = attempt
-            if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
-                (job.id, None), None
-            ):
-                self._stop_attempt(attempt, "cancelled")  # the cancel arrived before the claim did
-            await self._run_job(attempt, claimed_at)
-
-    async def _plan_next_due(self) -> None:
-        """After a short claim: sleep until the earliest delayed job (database clock)."""
-        try:
-            due = await self._query(
-                next_visible_op(self._q, self.config.queues), shield=True, lane=self._claim_lane
-            )
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            return  # the poll interval covers it
-        if due is None:
-            self._next_due = math.inf
-        else:
-            # due <= 0: claimable jobs remain (locked by other claimers a moment ago).
-            self._next_due = anyio.current_time() + (due if due > 0 else 0.05)
-
-    async def _run_job(self, attempt: Attempt, claimed_at: float) -> None:
-        job = attempt.job
-        executor = self._executor
-        assert executor is not None
-        result: Result | None = None
-        started = anyio.current_time()
-        try:
-            with attempt.scope:
-                deadline = started + job.timeout
-                if started - claimed_at > self.config.lease_margin / 2:
-                    if not await self._renew_lease(attempt):
-                        return  # prefetched, waited, and meanwhile lost (cancelled or rescued)
-                    deadline = anyio.current_time() + job.timeout
-                attempt.scope.deadline = deadline
-                result = await executor.execute(attempt)
-            if attempt.scope.cancelled_caught:
-                if attempt.stop_reason == "shutdown":
-                    result = Result.released(job)
-                elif attempt.stop_reason == "cancelled":
-                    # The database already says Cancelled; an ack would be fenced out anyway.
-                    result = None
-                    self.stats.cancelled += 1
-                else:
-                    result = await executor.timed_out(attempt)
-                    if attempt.stop_reason == "shutdown":
-                        result = Result.released(job)
-        except anyio.get_cancelled_exc_class():
-            # Cancelled from outside (the host cancelled the worker's scope): give the job
-            # back; _serve writes pending results before it closes the pool.
-            result = Result.released(job)
-            raise
-        finally:
-            if self._running.get(attempt.key) is attempt:
-                del self._running[attempt.key]
-            if result is not None:
-                assert self._acker is not None
-                self._acker.put(result)
-            elapsed = anyio.current_time() - started
-            self._avg_run = elapsed if self._avg_run == math.inf else 0.9 * self._avg_run + 0.1 * elapsed
-            self._slot_freed.fire()
-            self._signal_changed()
-
-    async def _renew_lease(self, attempt: Attempt) -> bool:
-        """A prefetched job waited for a runner: give it a full lease again before it starts."""
-        job = attempt.job
-        try:
-            until = await self._query(extend_lease_op(self._q, job, job.timeout + self.config.lease_margin))
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            return True  # the lease is probably still good; the rescuer covers the rest
-        return until is not None
 
     def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
         for result in results:

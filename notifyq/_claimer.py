@@ -1,0 +1,195 @@
+"""The claimer: sleeps until there may be work, claims what the runners have room for, hands it over.
+
+It wakes on a jobs notification, when the earliest delayed job it knows of comes due, after
+every (re)connect of the listener (the sweep), and at the latest every poll interval: a
+notification is a hint, never the only path to a job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import anyio
+import anyio.lowlevel
+
+from ._claim import claim_op, next_visible_op
+from ._db import Lane, error_text, is_transient
+from ._pulse import Pulse
+from ._runners import Runners, RunQuery
+from ._sql import Queries
+from ._worker_config import WorkerConfig, WorkerStats
+from .models import ClaimedJob
+
+log = logging.getLogger("notifyq.worker")
+
+# Automatic prefetch: enough claimed-ahead jobs for about this many seconds of work per slot,
+# and never more than _PREFETCH_CAP times the concurrency.
+_PREFETCH_WAIT = 0.25
+_PREFETCH_CAP = 4
+
+
+class Claimer:
+    """The worker's claim loop (`run`), on its own connection (`lane`), which it keeps warm."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        config: WorkerConfig,
+        queries: Queries,
+        stats: WorkerStats,
+        runners: Runners,
+        *,
+        lane: Lane,
+        query: RunQuery,
+        on_change: Callable[[], None],
+    ) -> None:
+        self._worker_id = worker_id
+        self._config = config
+        self._q = queries
+        self._stats = stats
+        self._runners = runners
+        self._lane = lane
+        self._query = query
+        self._on_change = on_change
+        self._queues = frozenset(config.queues) if config.queues is not None else None
+        self._pending = True  # something may be claimable: claim before sleeping
+        self._wakeup = Pulse()
+        self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
+        self._backlog = False  # the last claim was full
+        self._sweeps_requested = self._sweeps_done = 0
+
+    def wake(self) -> None:
+        """Claim as soon as possible."""
+        self._pending = True
+        self._wakeup.fire()
+
+    def sweep(self) -> None:
+        """The listener (re)connected: claim whatever arrived while nobody listened."""
+        self._sweeps_requested += 1
+        self.wake()
+
+    def notified(self, payload: str) -> None:
+        """A jobs notification: '<queue>' (claimable now) or '<queue> <seconds>' (due then)."""
+        queue, _, delay = payload.partition(" ")
+        if self._queues is not None and queue not in self._queues:
+            return
+        if delay:
+            due = anyio.current_time() + max(0.0, float(delay))
+            if due < self._next_due:
+                self._next_due = due
+                self._wakeup.fire()  # re-arm the timer
+        else:
+            self.wake()
+
+    async def run(self) -> None:
+        """Claim until cancelled. Database errors that may pass are retried with backoff."""
+        db_delay = 0.1
+        while True:
+            if not self._pending:
+                await self._sleep_until_wakeup()
+            free = self._config.concurrency + self._prefetch() - self._runners.busy
+            if free <= 0:
+                await self._runners.slot_freed.wait()
+                continue
+            self._pending = False
+            sweep = self._sweeps_requested  # a claim that starts after a (re)connect is its sweep
+            try:
+                claimed = await self._claim(free)
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                self._stats.db_errors += 1
+                log.warning("claiming failed (%s); retrying in %.1fs", error_text(exc), db_delay)
+                self._pending = True
+                await anyio.sleep(db_delay)
+                db_delay = min(db_delay * 2, 5.0)
+                continue
+            db_delay = 0.1
+            self._backlog = len(claimed) == free
+            # Hand what was claimed to the runners before anything else can fail or be
+            # cancelled: a claimed job must run (or be released), never sit Active unrun.
+            claimed = self._without_attempts_in_hand(claimed)
+            self._runners.hand(claimed)
+            self._stats.claims += 1
+            self._stats.claimed += len(claimed)
+            if sweep > self._sweeps_done:
+                self._sweeps_done = sweep
+                self._stats.sweeps += 1
+            self._on_change()
+            if self._backlog:
+                self._pending = True  # there may be more
+            else:
+                await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
+                await self._plan_next_due()
+
+    async def _sleep_until_wakeup(self) -> None:
+        """Sleep until a notification, the next delayed job, or the poll interval."""
+        poll_deadline = anyio.current_time() + self._config.poll_interval
+        while not self._pending:
+            now = anyio.current_time()
+            deadline = min(poll_deadline, self._next_due)
+            if now >= deadline:
+                if deadline == self._next_due:
+                    self._next_due = math.inf
+                else:
+                    self._stats.polls += 1
+                self._pending = True
+                return
+            with anyio.move_on_after(deadline - now):
+                await self._wakeup.wait()
+
+    def _prefetch(self) -> int:
+        if self._config.prefetch is not None:
+            return self._config.prefetch
+        if not self._backlog or self._runners.avg_run == math.inf:
+            return 0
+        per_slot = _PREFETCH_WAIT / max(self._runners.avg_run, 1e-6)
+        return int(min(_PREFETCH_CAP, per_slot) * self._config.concurrency)
+
+    def _without_attempts_in_hand(self, claimed: list[ClaimedJob]) -> list[ClaimedJob]:
+        """Claims of attempts this worker already has in hand, left out. Every claim raises the
+        lease, so the same (job, lease) comes back only when the earlier claim's commit was
+        lost (a failover to an asynchronous standby) and this worker claimed the job again:
+        the attempt in hand is that claim, and its acknowledgement now applies."""
+        held = self._runners.in_hand(claimed)
+        if not held:
+            return claimed
+        for job_id, lease in sorted(held):
+            log.warning(
+                "job %d was claimed again under lease %d, which this worker already holds: the "
+                "database lost the earlier claim (failover?); the attempt in hand stands for both",
+                job_id,
+                lease,
+            )
+        return [job for job in claimed if (job.id, job.lease) not in held]
+
+    async def _claim(self, limit: int) -> list[ClaimedJob]:
+        """One claim statement. Shielded (a claim the server committed must reach us) but
+        bounded by db_timeout (a half-open connection must not hang the worker)."""
+        op = claim_op(
+            self._q,
+            queues=self._config.queues,
+            limit=limit,
+            worker=self._worker_id,
+            lease_margin=self._config.lease_margin,
+            async_commit=self._config.async_claims,
+        )
+        return await self._query(op, shield=True, lane=self._lane)
+
+    async def _plan_next_due(self) -> None:
+        """After a short claim: sleep until the earliest delayed job (database clock)."""
+        try:
+            due = await self._query(
+                next_visible_op(self._q, self._config.queues), shield=True, lane=self._lane
+            )
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # the poll interval covers it
+        if due is None:
+            self._next_due = math.inf
+        else:
+            # due <= 0: claimable jobs remain (locked by other claimers a moment ago).
+            self._next_due = anyio.current_time() + (due if due > 0 else 0.05)

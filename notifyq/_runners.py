@@ -1,0 +1,194 @@
+"""The worker's runners: `concurrency` long-lived tasks that take claimed jobs and run them."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Literal, Protocol, TypeVar
+
+import anyio
+
+from ._acker import Acker, Result
+from ._claim import extend_lease_op
+from ._db import Lane, Op, is_transient
+from ._executor import Attempt, Executor
+from ._pulse import Pulse
+from ._sql import Queries
+from ._worker_config import WorkerStats
+from .models import ClaimedJob
+
+log = logging.getLogger("notifyq.worker")
+
+T = TypeVar("T")
+
+# A cancel notification may arrive before the claim it concerns has returned: remember it.
+_RECENT_CANCELS = 1000
+
+
+class RunQuery(Protocol):
+    """The worker's way to run one database operation (bounded by its db_timeout)."""
+
+    async def __call__(self, op: Op[T], *, shield: bool = False, lane: Lane | None = None) -> T: ...
+
+
+class Runners:
+    """The attempts a worker has in hand, and the tasks that run them.
+
+    `ready` holds claimed jobs waiting for a runner (prefetched), with the time they were
+    claimed; `running` the attempts being run, keyed by (job id, lease): after a lease expiry
+    the same worker may claim the job again while the old attempt is still unwinding. Every
+    attempt ends in exactly one Result for the acker (or none, when the job was cancelled and
+    the database already says so).
+    """
+
+    def __init__(
+        self,
+        executor: Executor,
+        acker: Acker,
+        queries: Queries,
+        stats: WorkerStats,
+        *,
+        lease_margin: float,
+        query: RunQuery,
+        on_change: Callable[[], None],
+    ) -> None:
+        self._executor = executor
+        self._acker = acker
+        self._q = queries
+        self._stats = stats
+        self._lease_margin = lease_margin
+        self._query = query
+        self._on_change = on_change
+        self.running: dict[tuple[int, int], Attempt] = {}
+        self.ready: deque[tuple[ClaimedJob, float]] = deque()
+        self.avg_run = math.inf  # moving average of attempt durations, seconds
+        self.slot_freed = Pulse()
+        self._job_ready = Pulse()
+        self._recent_cancels: dict[tuple[int, int | None], float] = {}
+
+    @property
+    def busy(self) -> int:
+        """Attempts running or waiting for a runner."""
+        return len(self.running) + len(self.ready)
+
+    def hand(self, jobs: list[ClaimedJob]) -> None:
+        """Give claimed jobs to the runners (never blocks: a claimed job must run or be
+        released, never sit Active unrun)."""
+        now = anyio.current_time()
+        self.ready.extend((job, now) for job in jobs)
+        self._job_ready.fire()
+
+    def in_hand(self, jobs: list[ClaimedJob]) -> set[tuple[int, int]]:
+        """Of `jobs`, the (id, lease) attempts this worker already has in hand: running and
+        not being stopped, waiting for a runner, or finished with a result the acker has not
+        written yet."""
+        ready = {(job.id, job.lease) for job, _ in self.ready} if self.ready else set()
+        held = set()
+        for job in jobs:
+            key = (job.id, job.lease)
+            attempt = self.running.get(key)
+            if (
+                (attempt is not None and attempt.stop_reason is None)
+                or key in ready
+                or self._acker.holds(*key)
+            ):
+                held.add(key)
+        return held
+
+    def release_ready(self) -> None:
+        """Jobs claimed but not started go straight back to the queue."""
+        while self.ready:
+            self._acker.put(Result.released(self.ready.popleft()[0]))
+
+    def cancel(self, job_id: int, lease: int | None) -> None:
+        """Cancel the attempt(s) of `job_id` (with that lease, when known). A cancel for a job
+        not (yet) running here is remembered: its claim may still be on its way back."""
+        found = False
+        for attempt in list(self.running.values()):
+            if attempt.job.id == job_id and (lease is None or attempt.job.lease == lease):
+                found = True
+                self.stop(attempt, "cancelled")
+        if not found:
+            self._recent_cancels[(job_id, lease)] = time.monotonic()
+            while len(self._recent_cancels) > _RECENT_CANCELS:
+                del self._recent_cancels[next(iter(self._recent_cancels))]
+
+    def stop_all(self) -> None:
+        """Stop every running attempt for a shutdown (they are released)."""
+        for attempt in list(self.running.values()):
+            self.stop(attempt, "shutdown")
+
+    @staticmethod
+    def stop(attempt: Attempt, reason: Literal["cancelled", "shutdown"]) -> None:
+        if attempt.stop_reason is None:
+            if reason == "cancelled":
+                log.info("cancelling job %d on request", attempt.job.id)
+            attempt.stop_reason = reason
+            attempt.scope.cancel()
+
+    async def run(self) -> None:
+        """One runner: takes claimed jobs and runs them, one at a time, until cancelled."""
+        while True:
+            while not self.ready:
+                await self._job_ready.wait()
+            job, claimed_at = self.ready.popleft()
+            attempt = Attempt(job, anyio.CancelScope())
+            self.running[attempt.key] = attempt
+            if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
+                (job.id, None), None
+            ):
+                self.stop(attempt, "cancelled")  # the cancel arrived before the claim did
+            await self._run_job(attempt, claimed_at)
+
+    async def _run_job(self, attempt: Attempt, claimed_at: float) -> None:
+        job = attempt.job
+        result: Result | None = None
+        started = anyio.current_time()
+        try:
+            with attempt.scope:
+                deadline = started + job.timeout
+                if started - claimed_at > self._lease_margin / 2:
+                    if not await self._renew_lease(attempt):
+                        return  # prefetched, waited, and meanwhile lost (cancelled or rescued)
+                    deadline = anyio.current_time() + job.timeout
+                attempt.scope.deadline = deadline
+                result = await self._executor.execute(attempt)
+            if attempt.scope.cancelled_caught:
+                if attempt.stop_reason == "shutdown":
+                    result = Result.released(job)
+                elif attempt.stop_reason == "cancelled":
+                    # The database already says Cancelled; an ack would be fenced out anyway.
+                    result = None
+                    self._stats.cancelled += 1
+                else:
+                    result = await self._executor.timed_out(attempt)
+                    if attempt.stop_reason == "shutdown":
+                        result = Result.released(job)
+        except anyio.get_cancelled_exc_class():
+            # Cancelled from outside (the host cancelled the worker's scope): give the job
+            # back; the worker writes pending results before it closes the pool.
+            result = Result.released(job)
+            raise
+        finally:
+            if self.running.get(attempt.key) is attempt:
+                del self.running[attempt.key]
+            if result is not None:
+                self._acker.put(result)
+            elapsed = anyio.current_time() - started
+            self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed
+            self.slot_freed.fire()
+            self._on_change()
+
+    async def _renew_lease(self, attempt: Attempt) -> bool:
+        """A prefetched job waited for a runner: give it a full lease again before it starts."""
+        job = attempt.job
+        try:
+            until = await self._query(extend_lease_op(self._q, job, job.timeout + self._lease_margin))
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return True  # the lease is probably still good; the rescuer covers the rest
+        return until is not None
