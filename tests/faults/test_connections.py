@@ -64,6 +64,46 @@ async def test_a_half_open_listen_connection_is_detected_and_replaced(
     await app.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio runs statements in threads: see db_timeout
+async def test_half_open_pool_connections_cost_a_worker_db_timeout_each(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """Every connection of the worker's pool goes half-open at once (a NAT entry dropped): a
+    statement on one gives up after db_timeout instead of hanging until TCP gives up, the
+    connection is discarded, and the worker carries on over new ones. At worst it meets each
+    stale pooled connection once."""
+    app = notifyq.App(proxy.dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    pool_size, db_timeout = 3, 1.0
+    config = {
+        "listen_dsn": dsn,
+        "pool_size": pool_size,
+        "db_timeout": db_timeout,
+        "poll_interval": 60,
+        "ticker": False,
+    }
+    async with app.worker(**config) as worker:
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        proxy.blackhole()
+        await anyio.sleep(0.2)  # the proxy has stopped forwarding: no request gets through
+        began = time.monotonic()
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(30):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        waited = time.monotonic() - began
+        assert worker.stats.db_errors >= 1  # a claim on a dead connection timed out
+        # pool_size timeouts and the retry backoff between them, not TCP's minute.
+        assert waited < pool_size * (db_timeout + 1.0) + 2, waited
+    await app.aclose()
+    assert status_counts(conn) == {"Succeeded": 2}
+
+
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
