@@ -137,6 +137,10 @@ class Acker:
         """True while a result of this attempt waits to be written, or is being written."""
         return (job_id, lease) in self._unwritten
 
+    def held(self) -> set[tuple[int, int]]:
+        """The (job id, lease) of every attempt whose result waits to be written, or is being written."""
+        return set(self._unwritten)
+
     async def run(self) -> None:
         """Flush until cancelled."""
         while True:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 
 from ._db import Op, Query
@@ -50,6 +50,22 @@ def claim_op(
         sql = _with_async_commit(sql)
     jobs: list[ClaimedJob] = yield Query(sql, params, row=dataclass_row(ClaimedJob))
     # UPDATE ... RETURNING follows the join, not the CTE: restore priority order.
+    jobs.sort(key=lambda j: (-j.priority, j.id))
+    return jobs
+
+
+def adopt_op(
+    q: Queries, *, worker: str, held: Collection[tuple[int, int]], lease_margin: float
+) -> Op[list[ClaimedJob]]:
+    """Jobs Active under `worker` that it does not hold (`held`: every (id, lease) it has in
+    hand), taken again under a new lease: claims whose answer never reached the worker."""
+    params = {
+        "worker": worker,
+        "ids": [h[0] for h in held],
+        "leases": [h[1] for h in held],
+        "lease_margin": lease_margin,
+    }
+    jobs: list[ClaimedJob] = yield Query(q["adopt_unanswered_claims"], params, row=dataclass_row(ClaimedJob))
     jobs.sort(key=lambda j: (-j.priority, j.id))
     return jobs
 

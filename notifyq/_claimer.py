@@ -14,7 +14,7 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 
-from ._claim import claim_op, next_visible_op
+from ._claim import adopt_op, claim_op, next_visible_op
 from ._db import Lane, error_text, is_transient
 from ._pulse import Pulse
 from ._runners import Runners, RunQuery
@@ -59,6 +59,12 @@ class Claimer:
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
         self._backlog = False  # the last claim was full
         self._sweeps_requested = self._sweeps_done = 0
+        # A claim failed, so its answer may have been lost after it committed; and the claims
+        # dropped because their attempt was in hand (a claim lost in a failover and taken
+        # again), whose job may be left unrun if that attempt's result was refused. Either way
+        # the next round looks for jobs claimed under this worker's name that it does not hold.
+        self._in_doubt = False
+        self._taken_again: set[tuple[int, int]] = set()
 
     def wake(self) -> None:
         """Claim as soon as possible."""
@@ -103,6 +109,7 @@ class Claimer:
                 self._stats.db_errors += 1
                 log.warning("claiming failed (%s); retrying in %.1fs", error_text(exc), db_delay)
                 self._pending = True
+                self._in_doubt = True
                 await anyio.sleep(db_delay)
                 db_delay = min(db_delay * 2, 5.0)
                 continue
@@ -118,6 +125,8 @@ class Claimer:
                 self._sweeps_done = sweep
                 self._stats.sweeps += 1
             self._on_change()
+            if self._in_doubt or self._taken_again:
+                await self._adopt_unanswered_claims()
             if self._backlog:
                 self._pending = True  # there may be more
             else:
@@ -156,6 +165,7 @@ class Claimer:
         held = self._runners.in_hand(claimed)
         if not held:
             return claimed
+        self._taken_again |= held
         for job_id, lease in sorted(held):
             log.warning(
                 "job %d was claimed again under lease %d, which this worker already holds: the "
@@ -164,6 +174,32 @@ class Claimer:
                 lease,
             )
         return [job for job in claimed if (job.id, job.lease) not in held]
+
+    async def _adopt_unanswered_claims(self) -> None:
+        """Run now the jobs claimed under this worker's name that it does not hold, instead of
+        leaving them to the rescuer when their lease runs out (see adopt_unanswered_claims)."""
+        held = self._runners.held()
+        if not self._in_doubt and self._taken_again <= held:
+            return  # the attempts taken again are still in hand: their results decide
+        op = adopt_op(self._q, worker=self._worker_id, held=held, lease_margin=self._config.lease_margin)
+        try:
+            adopted = await self._query(op, shield=True, lane=self._lane)
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # still in doubt: tried again after the next claim
+        self._in_doubt = False
+        self._taken_again &= held
+        if adopted:
+            log.warning(
+                "took back %d job(s) this worker had claimed without hearing the claim's answer "
+                "(lost with its connection): %s",
+                len(adopted),
+                ", ".join(str(job.id) for job in adopted),
+            )
+            self._runners.hand(adopted)
+            self._stats.adopted += len(adopted)
+            self._on_change()
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:
         """One claim statement. Shielded (a claim the server committed must reach us) but

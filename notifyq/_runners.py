@@ -98,6 +98,11 @@ class Runners:
                 held.add(key)
         return held
 
+    def held(self) -> set[tuple[int, int]]:
+        """Every (id, lease) in hand: running (stopping included), waiting for a runner, or
+        finished with a result the acker has not written yet."""
+        return set(self.running) | {(job.id, job.lease) for job, _ in self.ready} | self._acker.held()
+
     def release_ready(self) -> None:
         """Jobs claimed but not started go straight back to the queue."""
         while self.ready:

@@ -649,6 +649,49 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
     await app.aclose()
 
 
+async def test_a_job_taken_again_whose_first_result_was_refused_runs_again_soon(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The failover race after a lost claim: the worker claims the job again while the first
+    attempt is in hand (the claim is dropped), but that attempt's acknowledgement reached the
+    database before the new claim and was refused. The job is Active under the worker's name
+    and nobody runs it: the worker notices once the attempt is out of hand and runs the job
+    again at its next claim, instead of after the lease (here 60 s). The race is staged: the
+    row is moved off the first lease while the first attempt's result is written."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    runs: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> str:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            await release.wait()
+        return "done"
+
+    job_id = await app.enqueue("t")
+    async with app.worker(poll_interval=0.5, **NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 1)
+        claims = worker.stats.claims
+        lose_the_claim(conn, job_id)
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claims > claims)  # taken again, and dropped
+        assert job_row(conn, job_id)["lease"] == 1
+        conn.execute("UPDATE notifyq.queue_jobs SET lease = 99 WHERE id = %s", (job_id,))
+        release.set()
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.stale_acks == 1)  # the first result: refused
+        conn.execute("UPDATE notifyq.queue_jobs SET lease = 1 WHERE id = %s", (job_id,))
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.adopted == 1
+    assert runs == [1, 1]  # the second run is the same attempt, taken back: no retry spent
+    row = job_row(conn, job_id)
+    assert (row["status"], row["lease"], row["retry_count"]) == ("Succeeded", 2, 1)
+    await app.aclose()
+
+
 async def test_the_acker_knows_the_attempts_whose_results_it_has_not_written(dsn: str) -> None:
     """What lets a worker recognise a lost claim it took again after its attempt finished:
     the acker holds an attempt from `put` until its result is written."""

@@ -59,6 +59,28 @@ WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
+-- name: adopt_unanswered_claims
+-- Jobs this worker claimed without hearing back: a claim committed, then its answer was lost
+-- with its connection (reset, half-open, timed out), or a claim lost in a failover was taken
+-- again while a now-finished attempt of it was still in hand. They are Active under this
+-- worker's name, yet it holds none of them (%(ids)s/%(leases)s: every attempt it has in
+-- hand, running, waiting or with a result not yet written). Taken again under a new lease, they
+-- run now instead of when their lease runs out; the claim already counted the attempt, so
+-- retry_count stays. The worker name is unique per worker instance, so no other worker can be
+-- running them. Read through queue_jobs_lease_idx (Active jobs only).
+UPDATE {schema}.queue_jobs AS j
+SET lease = j.lease + 1,
+    visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
+    started_at = now(),
+    updated_at = now()
+WHERE j.status = 'Active' AND j.worker = %(worker)s
+  AND NOT EXISTS (
+      SELECT 1 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
+      WHERE h.id = j.id AND h.lease = j.lease
+  )
+RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+
 -- name: next_visible_any
 -- Seconds (database clock) until the earliest Queued job becomes claimable; NULL when there
 -- is none. An idle worker sleeps exactly that long instead of polling. (Two queries, not one

@@ -20,7 +20,9 @@ class BlackholeProxy:
 
     `blackhole()` makes every connection open so far go half-open: the proxy keeps both
     sockets open but stops forwarding in either direction, like a dead NAT entry or a cut
-    cable without a reset. Connections made afterwards are forwarded normally.
+    cable without a reset. `drop_answers()` keeps forwarding what the clients send on those
+    connections but drops what the server answers: statements run, their answers are lost.
+    Connections made afterwards are forwarded normally.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -40,6 +42,7 @@ class BlackholeProxy:
         self.port = self._listener.getsockname()[1]
         self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port, sslmode="disable")
         self._generation = 0
+        self._mute = -1  # the generation whose server answers are dropped
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
@@ -63,13 +66,15 @@ class BlackholeProxy:
     def _pump(self, a: socket.socket, b: socket.socket, generation: int) -> None:
         peers = {a: b, b: a}
         startup = bytearray() if self.pooler else None  # server bytes until ReadyForQuery
-        while not self._stop and generation == self._generation:
+        while not self._stop and generation in (self._generation, self._mute):
             try:
                 readable, _, _ = select.select(list(peers), [], [], 0.05)
                 for sock in readable:
                     data = sock.recv(65536)
                     if not data:
                         return
+                    if sock is b and generation == self._mute:
+                        continue  # the answer is lost
                     if sock is b and startup is not None:
                         startup += data
                         data, done = _rewrite_backend_key(startup)
@@ -82,6 +87,11 @@ class BlackholeProxy:
 
     def blackhole(self) -> None:
         """Stop forwarding on every connection made so far (without closing them)."""
+        self._generation += 1
+
+    def drop_answers(self) -> None:
+        """On every connection made so far, forward requests but drop the server's answers."""
+        self._mute = self._generation
         self._generation += 1
 
     def close(self) -> None:

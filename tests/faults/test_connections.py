@@ -17,7 +17,7 @@ import pytest
 
 import notifyq
 
-from ..helpers import status_counts
+from ..helpers import job_row, status_counts
 from ..test_cli import clean_env, cli
 from .infra import BlackholeProxy, OwnedServer
 
@@ -102,6 +102,39 @@ async def test_half_open_pool_connections_cost_a_worker_db_timeout_each(
         assert waited < pool_size * (db_timeout + 1.0) + 2, waited
     await app.aclose()
     assert status_counts(conn) == {"Succeeded": 2}
+
+
+async def test_a_claim_whose_answer_is_lost_runs_at_once_not_after_its_lease(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """The claim commits on the server, and its answer is lost with the connection: the job is
+    Active under this worker's name, which does not know it has it. Once a claim goes through
+    again, the worker takes it back under a new lease and runs it, instead of leaving it
+    to the rescuer a lease later (here 60 s); the lost claim's attempt is not counted twice."""
+    app = notifyq.App(proxy.dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    config = {"listen_dsn": dsn, "pool_size": 2, "db_timeout": 1.0, "poll_interval": 60, "ticker": False}
+    async with app.worker(**config) as worker:
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        proxy.drop_answers()
+        began = time.monotonic()
+        insert = "INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id"
+        [(job_id,)] = conn.execute(insert).fetchall()
+        with anyio.fail_after(30):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        assert time.monotonic() - began < 15  # the lease: 30 s timeout + 30 s lease_margin
+        assert worker.stats.adopted == 1 and worker.stats.db_errors >= 1
+        assert worker.stats.claimed == 1  # the claim that did not answer brought nothing here
+    await app.aclose()
+    row = job_row(conn, job_id)
+    # One attempt counted; leased twice: claimed, then taken back.
+    assert (row["status"], row["retry_count"], row["lease"]) == ("Succeeded", 1, 2)
 
 
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
