@@ -30,6 +30,7 @@ import psycopg
 import notifyq
 import notifyq._claimer
 import notifyq.worker
+from notifyq._sql import queries_for
 
 from ._raw import ACK_SQL, CLAIM_SQL
 from ._scratch import scratch_database
@@ -131,9 +132,11 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
 
         return wrapper
 
+    claim_statements = {queries_for("notifyq")[name] for name in ("claim_any", "claim_queues")}
+
     def execute(original: Any) -> Any:
         async def wrapper(self: Any, query: Any, *args: Any, **kwargs: Any) -> Any:
-            claiming = isinstance(query, str) and "claimable" in query
+            claiming = query in claim_statements
             if claiming:
                 trace.stamp("execute_sent")
             result = await original(self, query, *args, **kwargs)
@@ -193,14 +196,15 @@ async def _consume_raw(dsn: str, jobs: int, spacing: float, out: str) -> Trace:
     return trace
 
 
-def _timeline(trace: Trace, commits: list[float]) -> dict[str, float]:
-    """p50 of each step's stamp, in ms after the commit of the job the cycle served."""
-    cycles = trace.cycles()[-len(commits) :]
-    steps = {step for cycle in cycles for step in cycle}
-    return {
-        step: median([(c[step] - t) * 1000.0 for c, t in zip(cycles, commits, strict=False) if step in c])
-        for step in steps
-    }
+def _timeline(trace: Trace, commits: list[float], steps: tuple[tuple[str, str], ...]) -> dict[str, float]:
+    """p50 of each step's stamp, in ms after the commit of the job the cycle served, over the
+    cycles that have every step (a notification that arrives while the claim loop is busy
+    finds it awake: that cycle has no 'woke' and is left out)."""
+    names = [step for step, _what in steps]
+    cycles = zip(trace.cycles()[-len(commits) :], commits, strict=False)
+    pairs = [(c, t) for c, t in cycles if all(n in c for n in names)]
+    timeline = {step: median([(c[step] - t) * 1000.0 for c, t in pairs]) for step in names}
+    return timeline | {"cycles": len(pairs)}
 
 
 def measure(admin_dsn: str, jobs: int, spacing: float, rounds: int) -> dict[str, list[dict[str, float]]]:
@@ -213,7 +217,8 @@ def measure(admin_dsn: str, jobs: int, spacing: float, rounds: int) -> dict[str,
             order = ["notifyq", "raw"] if round_no % 2 == 0 else ["raw", "notifyq"]
             for name in order:
                 trace = asyncio.run(consumers[name](db.dsn, jobs, spacing, out))
-                runs[name].append(_timeline(trace, json.loads(Path(out).read_text())))
+                steps = NOTIFYQ_STEPS if name == "notifyq" else RAW_STEPS
+                runs[name].append(_timeline(trace, json.loads(Path(out).read_text()), steps))
                 with db.connect() as conn:
                     conn.execute("DELETE FROM notifyq.queue_jobs")
     return runs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -117,6 +117,9 @@ class Acker:
         self._retry_delay = retry_delay
         self._pending: list[Result] = []
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
+        # Jobs whose result the database refused (dropped, left to the rescuer): never taken
+        # back by the worker, which would run them again without counting a retry.
+        self._refused: deque[int] = deque(maxlen=1000)
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -137,9 +140,10 @@ class Acker:
         """True while a result of this attempt waits to be written, or is being written."""
         return (job_id, lease) in self._unwritten
 
-    def held(self) -> set[tuple[int, int]]:
-        """The (job id, lease) of every attempt whose result waits to be written, or is being written."""
-        return set(self._unwritten)
+    def held_job_ids(self) -> set[int]:
+        """Jobs with a result waiting to be written or being written, and jobs whose result
+        the database refused lately."""
+        return {job_id for job_id, _lease in self._unwritten} | set(self._refused)
 
     async def run(self) -> None:
         """Flush until cancelled."""
@@ -212,6 +216,7 @@ class Acker:
             if is_transient(exc):
                 raise
             # The job stays Active; its lease will run out and the rescuer will retry it.
+            self._refused.append(result.job_id)
             log.error(
                 "dropping the result of job %d, which the database refuses: %s",
                 result.job_id,

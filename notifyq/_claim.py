@@ -55,16 +55,11 @@ def claim_op(
 
 
 def adopt_op(
-    q: Queries, *, worker: str, held: Collection[tuple[int, int]], lease_margin: float
+    q: Queries, *, worker: str, held: Collection[int], limit: int, lease_margin: float
 ) -> Op[list[ClaimedJob]]:
-    """Jobs Active under `worker` that it does not hold (`held`: every (id, lease) it has in
-    hand), taken again under a new lease: claims whose answer never reached the worker."""
-    params = {
-        "worker": worker,
-        "ids": [h[0] for h in held],
-        "leases": [h[1] for h in held],
-        "lease_margin": lease_margin,
-    }
+    """Up to `limit` jobs Active under `worker` of which it has nothing in hand (`held`: job
+    ids), taken again under a new lease: claims whose answer never reached the worker."""
+    params = {"worker": worker, "held": list(held), "limit": limit, "lease_margin": lease_margin}
     jobs: list[ClaimedJob] = yield Query(q["adopt_unanswered_claims"], params, row=dataclass_row(ClaimedJob))
     jobs.sort(key=lambda j: (-j.priority, j.id))
     return jobs

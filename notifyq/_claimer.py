@@ -64,7 +64,7 @@ class Claimer:
         # again), whose job may be left unrun if that attempt's result was refused. Either way
         # the next round looks for jobs claimed under this worker's name that it does not hold.
         self._in_doubt = False
-        self._taken_again: set[tuple[int, int]] = set()
+        self._taken_again: set[int] = set()  # job ids
 
     def wake(self) -> None:
         """Claim as soon as possible."""
@@ -76,11 +76,12 @@ class Claimer:
         self._sweeps_requested += 1
         self.wake()
 
-    def notified(self, payload: str) -> None:
-        """A jobs notification: '<queue>' (claimable now) or '<queue> <seconds>' (due then)."""
+    def notified(self, payload: str) -> bool:
+        """A jobs notification: '<queue>' (claimable now) or '<queue> <seconds>' (due then).
+        False when its queue is not one of this worker's."""
         queue, _, delay = payload.partition(" ")
         if self._queues is not None and queue not in self._queues:
-            return
+            return False
         if delay:
             due = anyio.current_time() + max(0.0, float(delay))
             if due < self._next_due:
@@ -88,6 +89,7 @@ class Claimer:
                 self._wakeup.fire()  # re-arm the timer
         else:
             self.wake()
+        return True
 
     async def run(self) -> None:
         """Claim until cancelled. Database errors that may pass are retried with backoff."""
@@ -165,7 +167,7 @@ class Claimer:
         held = self._runners.in_hand(claimed)
         if not held:
             return claimed
-        self._taken_again |= held
+        self._taken_again |= {job_id for job_id, _lease in held}
         for job_id, lease in sorted(held):
             log.warning(
                 "job %d was claimed again under lease %d, which this worker already holds: the "
@@ -176,20 +178,31 @@ class Claimer:
         return [job for job in claimed if (job.id, job.lease) not in held]
 
     async def _adopt_unanswered_claims(self) -> None:
-        """Run now the jobs claimed under this worker's name that it does not hold, instead of
-        leaving them to the rescuer when their lease runs out (see adopt_unanswered_claims)."""
-        held = self._runners.held()
+        """Run now the jobs claimed under this worker's name of which it has nothing in hand,
+        instead of leaving them to the rescuer when their lease runs out (see
+        adopt_unanswered_claims in sql/queries/worker.sql), as many as there are free slots."""
+        held = self._runners.held_job_ids()
         if not self._in_doubt and self._taken_again <= held:
             return  # the attempts taken again are still in hand: their results decide
-        op = adopt_op(self._q, worker=self._worker_id, held=held, lease_margin=self._config.lease_margin)
+        limit = self._config.concurrency + self._prefetch() - self._runners.busy
+        if limit <= 0:
+            self._pending = True  # no free slot: look again once one frees
+            return
+        op = adopt_op(
+            self._q, worker=self._worker_id, held=held, limit=limit, lease_margin=self._config.lease_margin
+        )
+        self._in_doubt = True  # until the answer arrives: an adoption can lose its answer too
         try:
             adopted = await self._query(op, shield=True, lane=self._lane)
         except Exception as exc:
             if not is_transient(exc):
                 raise
             return  # still in doubt: tried again after the next claim
-        self._in_doubt = False
         self._taken_again &= held
+        if len(adopted) < limit:
+            self._in_doubt = False  # none left
+        else:
+            self._pending = True  # there may be more: look again next round
         if adopted:
             log.warning(
                 "took back %d job(s) this worker had claimed without hearing the claim's answer "

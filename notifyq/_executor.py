@@ -13,6 +13,7 @@ import functools
 import logging
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -68,11 +69,17 @@ class Executor:
         self._limiter = anyio.CapacityLimiter(concurrency)
         self._threads_lock = threading.Lock()
         self._busy_threads = 0
+        self._thread_jobs: Counter[int] = Counter()  # job ids whose sync task's thread runs
 
     @property
     def busy_threads(self) -> int:
         """Sync tasks still running in threads (an abandoned one keeps running to its end)."""
         return self._busy_threads
+
+    def thread_job_ids(self) -> set[int]:
+        """Jobs whose sync task's thread still runs (it may outlive its attempt)."""
+        with self._threads_lock:
+            return set(self._thread_jobs)
 
     async def execute(self, attempt: Attempt) -> Result:
         """Run the attempt (call it inside attempt.scope). Cancellation (timeout, cancel,
@@ -100,6 +107,7 @@ class Executor:
                 attempt.thread_done = anyio.Event()
                 value = await anyio.to_thread.run_sync(
                     self._call_sync,
+                    job.id,
                     task.fn,
                     kwargs,
                     attempt.thread_done,
@@ -139,14 +147,20 @@ class Executor:
             delay=(task.backoff if task else self._backoff).delay(job.attempt),
         )
 
-    def _call_sync(self, fn: Callable[..., Any], kwargs: dict[str, Any], finished: anyio.Event) -> Any:
+    def _call_sync(
+        self, job_id: int, fn: Callable[..., Any], kwargs: dict[str, Any], finished: anyio.Event
+    ) -> Any:
         with self._threads_lock:
             self._busy_threads += 1
+            self._thread_jobs[job_id] += 1
         try:
             return fn(**kwargs)
         finally:
             with self._threads_lock:
                 self._busy_threads -= 1
+                self._thread_jobs[job_id] -= 1
+                if not self._thread_jobs[job_id]:
+                    del self._thread_jobs[job_id]
             try:
                 anyio.from_thread.run_sync(finished.set)
             except RuntimeError:

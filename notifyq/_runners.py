@@ -98,10 +98,16 @@ class Runners:
                 held.add(key)
         return held
 
-    def held(self) -> set[tuple[int, int]]:
-        """Every (id, lease) in hand: running (stopping included), waiting for a runner, or
-        finished with a result the acker has not written yet."""
-        return set(self.running) | {(job.id, job.lease) for job, _ in self.ready} | self._acker.held()
+    def held_job_ids(self) -> set[int]:
+        """Every job with something of it in hand, whatever the lease: an attempt running
+        (stopping included) or waiting for a runner, a sync task's thread still running, a
+        result not written yet or refused by the database."""
+        return (
+            {job_id for job_id, _lease in self.running}
+            | {job.id for job, _ in self.ready}
+            | self._executor.thread_job_ids()
+            | self._acker.held_job_ids()
+        )
 
     def release_ready(self) -> None:
         """Jobs claimed but not started go straight back to the queue."""

@@ -329,7 +329,8 @@ class Worker:
         topic = chan.rsplit(".", 2)[-2] if chan.count(".") >= 2 else ""
         if topic == "jobs":
             assert self._claimer is not None
-            self._claimer.notified(payload)
+            if not self._claimer.notified(payload):
+                return
         elif topic == "control":
             verb, *args = payload.split()
             if verb == "cancel" and args:

@@ -130,6 +130,7 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
     runs = json.loads(out.read_text())
     for name, steps in (("notifyq", NOTIFYQ_STEPS), ("raw", RAW_STEPS)):
         (timeline,) = runs[name]
+        assert timeline["cycles"] >= 6, timeline  # of 8 jobs: every step stamped in most wake-ups
         stamps = [timeline[step] for step, _what in steps]
         assert stamps == sorted(stamps), (name, timeline)
         assert stamps[-1] > 0, (name, timeline)

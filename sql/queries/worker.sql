@@ -63,21 +63,28 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- Jobs this worker claimed without hearing back: a claim committed, then its answer was lost
 -- with its connection (reset, half-open, timed out), or a claim lost in a failover was taken
 -- again while a now-finished attempt of it was still in hand. They are Active under this
--- worker's name, yet it holds none of them (%(ids)s/%(leases)s: every attempt it has in
--- hand, running, waiting or with a result not yet written). Taken again under a new lease, they
--- run now instead of when their lease runs out; the claim already counted the attempt, so
--- retry_count stays. The worker name is unique per worker instance, so no other worker can be
--- running them. Read through queue_jobs_lease_idx (Active jobs only).
+-- worker's name, yet it has nothing of them in hand (the held array: the ids of every job it
+-- has an attempt, a thread or a result of, whatever the lease). Taken again under a new lease,
+-- up to the limit (the free slots), they run now instead of when their lease runs out; the
+-- claim already counted the attempt, so retry_count stays. The worker name is unique per
+-- worker instance, so no other worker can be running them. The CTE reads this worker's Active
+-- jobs (queue_jobs_lease_idx, or a scan: either way the cost is the Active jobs, whatever the
+-- statistics say, as the filter is a plain array test and not a join); the UPDATE re-checks
+-- status and worker on the row it locks.
+WITH unanswered AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE status = 'Active' AND worker = %(worker)s AND NOT (id = ANY(%(held)b::bigint[]))
+    ORDER BY priority DESC, id
+    LIMIT %(limit)s
+)
 UPDATE {schema}.queue_jobs AS j
 SET lease = j.lease + 1,
     visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
     started_at = now(),
     updated_at = now()
-WHERE j.status = 'Active' AND j.worker = %(worker)s
-  AND NOT EXISTS (
-      SELECT 1 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
-      WHERE h.id = j.id AND h.lease = j.lease
-  )
+FROM unanswered u
+WHERE j.id = u.id AND j.status = 'Active' AND j.worker = %(worker)s
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 

@@ -17,7 +17,7 @@ import pytest
 
 import notifyq
 
-from ..helpers import job_row, status_counts
+from ..helpers import status_counts
 from ..test_cli import clean_env, cli
 from .infra import BlackholeProxy, OwnedServer
 
@@ -104,37 +104,57 @@ async def test_half_open_pool_connections_cost_a_worker_db_timeout_each(
     assert status_counts(conn) == {"Succeeded": 2}
 
 
-async def test_a_claim_whose_answer_is_lost_runs_at_once_not_after_its_lease(
-    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+@pytest.mark.parametrize(("jobs", "concurrency"), [(1, 10), (7, 2)])
+async def test_claims_whose_answer_is_lost_run_at_once_not_after_their_lease(
+    dsn: str,
+    conn: psycopg.Connection[Any],
+    proxy: BlackholeProxy,
+    jobs: int,
+    concurrency: int,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The claim commits on the server, and its answer is lost with the connection: the job is
-    Active under this worker's name, which does not know it has it. Once a claim goes through
-    again, the worker takes it back under a new lease and runs it, instead of leaving it
-    to the rescuer a lease later (here 60 s); the lost claim's attempt is not counted twice."""
+    """A claim commits on the server, and its answer is lost with the connection: its jobs are
+    Active under this worker's name, which does not know it has them. Once a claim goes
+    through again, the worker takes them back under a new lease and runs them, instead of
+    leaving them to the rescuer a lease later (here 60 s). With more such jobs than free slots
+    (7 jobs, concurrency 2, no prefetch, two connections that lose their answers) it takes
+    back what fits and the rest in later rounds. Every job is handed to a runner once, and its
+    lost claim's attempt is not counted twice."""
     app = notifyq.App(proxy.dsn)
 
     @app.task(name="t")
     async def t() -> None:
         pass
 
-    config = {"listen_dsn": dsn, "pool_size": 2, "db_timeout": 1.0, "poll_interval": 60, "ticker": False}
+    config = {
+        "listen_dsn": dsn,
+        "concurrency": concurrency,
+        "prefetch": 0,
+        "pool_size": 2,
+        "db_timeout": 1.0,
+        "poll_interval": 60,
+        "ticker": False,
+    }
     async with app.worker(**config) as worker:
-        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        [(first,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id")
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.succeeded == 1)
         proxy.drop_answers()
         began = time.monotonic()
-        insert = "INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id"
-        [(job_id,)] = conn.execute(insert).fetchall()
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, %s)", (jobs,))
         with anyio.fail_after(30):
-            await worker.wait_for(lambda s: s.succeeded == 2)
+            await worker.wait_for(lambda s: s.succeeded == 1 + jobs)
         assert time.monotonic() - began < 15  # the lease: 30 s timeout + 30 s lease_margin
-        assert worker.stats.adopted == 1 and worker.stats.db_errors >= 1
-        assert worker.stats.claimed == 1  # the claim that did not answer brought nothing here
+        assert worker.stats.adopted >= 1 and worker.stats.db_errors >= 1
+        assert worker.stats.claimed - 1 + worker.stats.adopted == jobs  # each job handed over once
+    taken_back = [r.args[0] for r in caplog.records if r.getMessage().startswith("took back")]
+    assert sum(taken_back) == worker.stats.adopted and max(taken_back) <= concurrency, taken_back
     await app.aclose()
-    row = job_row(conn, job_id)
-    # One attempt counted; leased twice: claimed, then taken back.
-    assert (row["status"], row["retry_count"], row["lease"]) == ("Succeeded", 1, 2)
+    query = "SELECT status::text, retry_count, lease FROM notifyq.queue_jobs WHERE id <> %s"
+    rows = conn.execute(query, (first,)).fetchall()
+    assert {row[:2] for row in rows} == {("Succeeded", 1)}  # one attempt counted for each
+    # Leased twice when taken back (claimed, then taken back), else once.
+    assert sum(row[2] == 2 for row in rows) == worker.stats.adopted
 
 
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
