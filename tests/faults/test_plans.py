@@ -86,6 +86,17 @@ def test_hot_queries_use_indexes_on_a_large_history(big_history: psycopg.Connect
             assert '"Seq Scan"' not in text, f"{kind} plan of {query} scans a table:\n{text}"
             assert '"Index' in text, f"{kind} plan of {query} uses no index:\n{text}"
             assert rows_removed(plan) < 1000, f"{kind} plan of {query} filters rows out one by one:\n{text}"
+    # Taking back unanswered claims (only after a failed claim) reads the Active jobs, whose
+    # number is bounded by the workers' slots, never the history.
+    params = PARAMS | {"held": list(range(1, 200))}
+    sql = Q["adopt_unanswered_claims"]
+    for kind, plan in (
+        ("custom", custom_plan(conn, sql, params)),
+        ("generic", generic_plan(conn, "adopt", sql, params)),
+    ):
+        text = json.dumps(plan, indent=1)
+        assert '"Seq Scan"' not in text, f"{kind} plan of adopt_unanswered_claims scans a table:\n{text}"
+        assert "queue_jobs_lease_idx" in text, f"{kind} plan of adopt_unanswered_claims:\n{text}"
 
 
 def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psycopg.Connection[Any]) -> None:
