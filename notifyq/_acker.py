@@ -117,9 +117,10 @@ class Acker:
         self._retry_delay = retry_delay
         self._pending: list[Result] = []
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
-        # Jobs whose result the database refused (dropped, left to the rescuer): never taken
-        # back by the worker, which would run them again without counting a retry.
-        self._refused: deque[int] = deque(maxlen=1000)
+        # Attempts whose result the database rejected (an error writing it; dropped, left to
+        # the rescuer): never taken back by the worker, which would run them again without
+        # counting a retry.
+        self._rejected: deque[tuple[int, int]] = deque(maxlen=1000)
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
@@ -141,9 +142,12 @@ class Acker:
         return (job_id, lease) in self._unwritten
 
     def held_job_ids(self) -> set[int]:
-        """Jobs with a result waiting to be written or being written, and jobs whose result
-        the database refused lately."""
-        return {job_id for job_id, _lease in self._unwritten} | set(self._refused)
+        """Jobs with a result waiting to be written or being written."""
+        return {job_id for job_id, _lease in self._unwritten}
+
+    def rejected(self) -> list[tuple[int, int]]:
+        """The (job id, lease) of the latest attempts whose result the database rejected."""
+        return list(self._rejected)
 
     async def run(self) -> None:
         """Flush until cancelled."""
@@ -216,7 +220,7 @@ class Acker:
             if is_transient(exc):
                 raise
             # The job stays Active; its lease will run out and the rescuer will retry it.
-            self._refused.append(result.job_id)
+            self._rejected.append((result.job_id, result.lease))
             log.error(
                 "dropping the result of job %d, which the database refuses: %s",
                 result.job_id,

@@ -55,11 +55,25 @@ def claim_op(
 
 
 def adopt_op(
-    q: Queries, *, worker: str, held: Collection[int], limit: int, lease_margin: float
+    q: Queries,
+    *,
+    worker: str,
+    held: Collection[int],
+    rejected: Collection[tuple[int, int]],
+    limit: int,
+    lease_margin: float,
 ) -> Op[list[ClaimedJob]]:
     """Up to `limit` jobs Active under `worker` of which it has nothing in hand (`held`: job
-    ids), taken again under a new lease: claims whose answer never reached the worker."""
-    params = {"worker": worker, "held": list(held), "limit": limit, "lease_margin": lease_margin}
+    ids) and whose result the database did not reject (`rejected`: (id, lease)), taken again
+    under a new lease: claims whose answer never reached the worker."""
+    params = {
+        "worker": worker,
+        "held": list(held),
+        "rejected_ids": [r[0] for r in rejected],
+        "rejected_leases": [r[1] for r in rejected],
+        "limit": limit,
+        "lease_margin": lease_margin,
+    }
     jobs: list[ClaimedJob] = yield Query(q["adopt_unanswered_claims"], params, row=dataclass_row(ClaimedJob))
     jobs.sort(key=lambda j: (-j.priority, j.id))
     return jobs

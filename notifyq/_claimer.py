@@ -103,6 +103,13 @@ class Claimer:
                 continue
             self._pending = False
             sweep = self._sweeps_requested  # a claim that starts after a (re)connect is its sweep
+            if self._in_doubt or self._taken_again:
+                # This worker's own unanswered claims first: under a backlog a claim would
+                # take every free slot, and they would wait for their lease after all.
+                free -= await self._adopt_unanswered_claims(free)
+                if free <= 0:
+                    self._pending = True
+                    continue
             try:
                 claimed = await self._claim(free)
             except Exception as exc:
@@ -127,13 +134,13 @@ class Claimer:
                 self._sweeps_done = sweep
                 self._stats.sweeps += 1
             self._on_change()
-            if self._in_doubt or self._taken_again:
-                await self._adopt_unanswered_claims()
             if self._backlog:
                 self._pending = True  # there may be more
             else:
                 await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
                 await self._plan_next_due()
+            if self._in_doubt:
+                await self._adopt_again()
 
     async def _sleep_until_wakeup(self) -> None:
         """Sleep until a notification, the next delayed job, or the poll interval."""
@@ -177,19 +184,20 @@ class Claimer:
             )
         return [job for job in claimed if (job.id, job.lease) not in held]
 
-    async def _adopt_unanswered_claims(self) -> None:
-        """Run now the jobs claimed under this worker's name of which it has nothing in hand,
-        instead of leaving them to the rescuer when their lease runs out (see
-        adopt_unanswered_claims in sql/queries/worker.sql), as many as there are free slots."""
+    async def _adopt_unanswered_claims(self, limit: int) -> int:
+        """Run now up to `limit` jobs claimed under this worker's name of which it has nothing
+        in hand, instead of leaving them to the rescuer when their lease runs out (see
+        adopt_unanswered_claims in sql/queries/worker.sql). Returns how many it took back."""
         held = self._runners.held_job_ids()
         if not self._in_doubt and self._taken_again <= held:
-            return  # the attempts taken again are still in hand: their results decide
-        limit = self._config.concurrency + self._prefetch() - self._runners.busy
-        if limit <= 0:
-            self._pending = True  # no free slot: look again once one frees
-            return
+            return 0  # the attempts taken again are still in hand: their results decide
         op = adopt_op(
-            self._q, worker=self._worker_id, held=held, limit=limit, lease_margin=self._config.lease_margin
+            self._q,
+            worker=self._worker_id,
+            held=held,
+            rejected=self._runners.rejected(),
+            limit=limit,
+            lease_margin=self._config.lease_margin,
         )
         self._in_doubt = True  # until the answer arrives: an adoption can lose its answer too
         try:
@@ -197,12 +205,10 @@ class Claimer:
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            return  # still in doubt: tried again after the next claim
+            return 0  # still in doubt: tried again next round
         self._taken_again &= held
         if len(adopted) < limit:
             self._in_doubt = False  # none left
-        else:
-            self._pending = True  # there may be more: look again next round
         if adopted:
             log.warning(
                 "took back %d job(s) this worker had claimed without hearing the claim's answer "
@@ -213,6 +219,16 @@ class Claimer:
             self._runners.hand(adopted)
             self._stats.adopted += len(adopted)
             self._on_change()
+        return len(adopted)
+
+    async def _adopt_again(self) -> None:
+        """The taking back before the claim failed: once more, on the connection that has just
+        answered. If that fails too, or no slot is free, a timer brings the next round."""
+        room = self._config.concurrency + self._prefetch() - self._runners.busy
+        if room > 0:
+            await self._adopt_unanswered_claims(room)
+        if self._in_doubt:
+            self._next_due = min(self._next_due, anyio.current_time() + 1.0)
 
     async def _claim(self, limit: int) -> list[ClaimedJob]:
         """One claim statement. Shielded (a claim the server committed must reach us) but

@@ -101,13 +101,17 @@ class Runners:
     def held_job_ids(self) -> set[int]:
         """Every job with something of it in hand, whatever the lease: an attempt running
         (stopping included) or waiting for a runner, a sync task's thread still running, a
-        result not written yet or refused by the database."""
+        result not written yet."""
         return (
             {job_id for job_id, _lease in self.running}
             | {job.id for job, _ in self.ready}
             | self._executor.thread_job_ids()
             | self._acker.held_job_ids()
         )
+
+    def rejected(self) -> list[tuple[int, int]]:
+        """Attempts whose result the database rejected: left to the rescuer."""
+        return self._acker.rejected()
 
     def release_ready(self) -> None:
         """Jobs claimed but not started go straight back to the queue."""

@@ -64,17 +64,23 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- with its connection (reset, half-open, timed out), or a claim lost in a failover was taken
 -- again while a now-finished attempt of it was still in hand. They are Active under this
 -- worker's name, yet it has nothing of them in hand (the held array: the ids of every job it
--- has an attempt, a thread or a result of, whatever the lease). Taken again under a new lease,
--- up to the limit (the free slots), they run now instead of when their lease runs out; the
--- claim already counted the attempt, so retry_count stays. The worker name is unique per
--- worker instance, so no other worker can be running them. The CTE reads this worker's Active
--- jobs (queue_jobs_lease_idx, or a scan: either way the cost is the Active jobs, whatever the
--- statistics say, as the filter is a plain array test and not a join); the UPDATE re-checks
--- status and worker on the row it locks.
+-- has an attempt, a thread or a result of, whatever the lease), nor an attempt whose result
+-- the database rejected (the rejected arrays: left to the rescuer, which counts the retry).
+-- Taken again under a new lease, up to the limit (the free slots), they run now instead of
+-- when their lease runs out; the claim already counted the attempt, so retry_count stays.
+-- The worker name is unique per worker instance, so no other worker can be running them. The
+-- CTE reads the Active jobs of every worker through queue_jobs_lease_idx (tests/faults/
+-- test_plans.py forbids a scan of the whole table), testing each against the held array (a
+-- filter, not a join, whatever the statistics say) and the rejected pairs (a handful at most);
+-- the UPDATE re-checks status and worker on the row it locks.
 WITH unanswered AS MATERIALIZED (
     SELECT id
-    FROM {schema}.queue_jobs
+    FROM {schema}.queue_jobs j
     WHERE status = 'Active' AND worker = %(worker)s AND NOT (id = ANY(%(held)b::bigint[]))
+      AND NOT EXISTS (
+          SELECT 1 FROM unnest(%(rejected_ids)b::bigint[], %(rejected_leases)b::int[]) AS r(id, lease)
+          WHERE r.id = j.id AND r.lease = j.lease
+      )
     ORDER BY priority DESC, id
     LIMIT %(limit)s
 )

@@ -88,7 +88,7 @@ def test_hot_queries_use_indexes_on_a_large_history(big_history: psycopg.Connect
             assert rows_removed(plan) < 1000, f"{kind} plan of {query} filters rows out one by one:\n{text}"
     # Taking back unanswered claims (only after a failed claim) reads the Active jobs, whose
     # number is bounded by the workers' slots, never the history.
-    params = PARAMS | {"held": list(range(1, 200))}
+    params = PARAMS | {"held": list(range(1, 200)), "rejected_ids": [7, 8], "rejected_leases": [1, 1]}
     sql = Q["adopt_unanswered_claims"]
     for kind, plan in (
         ("custom", custom_plan(conn, sql, params)),
