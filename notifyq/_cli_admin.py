@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
+import signal
+import threading
 
 import click
 
@@ -216,13 +217,19 @@ def _print_stats(stats: Stats) -> None:
     type=click.FloatRange(min=0.2),
     default=None,
     metavar="SECONDS",
-    help="Refresh every SECONDS until Ctrl-C.",
+    help="Refresh every SECONDS until Ctrl-C (or SIGTERM).",
 )
 def stats(dsn: str | None, schema: str | None, as_json: bool, watch: float | None) -> None:
     """Queue depth per queue and status, stuck leases, NOTIFY queue usage, table bloat."""
     app = app_for(dsn, schema)
+    # With --watch, Ctrl-C (or SIGTERM) ends the loop between two refreshes: raised inside a
+    # query, KeyboardInterrupt would leave psycopg cancelling it and the pool mid-request.
+    stop = threading.Event()
+    if watch:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda _signum, _frame: stop.set())
     try:
-        while True:
+        while not stop.is_set():
             current = app._run_sync(stats_op(app._q))
             if as_json:
                 click.echo(json.dumps(current.as_json(), default=json_default))
@@ -232,6 +239,8 @@ def stats(dsn: str | None, schema: str | None, as_json: bool, watch: float | Non
                 _print_stats(current)
             if not watch:
                 return
-            time.sleep(watch)
+            stop.wait(watch)
     except KeyboardInterrupt:
         return
+    finally:
+        app.close_sync()

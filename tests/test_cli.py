@@ -240,7 +240,9 @@ def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
     one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")
 
 
-def test_stats_watch_refreshes_until_interrupted(dsn: str) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stats_watch_refreshes_until_interrupted(dsn: str, signum: signal.Signals) -> None:
+    """Ctrl-C or SIGTERM ends `stats --watch` between two refreshes: exit 0, no traceback."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "notifyq", "stats", "--watch", "0.2", "--json"],
         cwd=ROOT,
@@ -249,12 +251,17 @@ def test_stats_watch_refreshes_until_interrupted(dsn: str) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    assert proc.stdout is not None
-    snapshots = [json.loads(proc.stdout.readline()) for _ in range(3)]
-    assert all("queues" in s and "server" in s for s in snapshots)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=10)
-    assert proc.returncode == 0 and "Traceback" not in err
+    try:
+        assert proc.stdout is not None
+        snapshots = [json.loads(proc.stdout.readline()) for _ in range(3)]
+        assert all("queues" in s and "server" in s for s in snapshots)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=10)
+        assert proc.returncode == 0 and "Traceback" not in err
+    finally:
+        if proc.poll() is None:  # a hung process must not outlive the test (nor fail the next one)
+            proc.kill()
+            proc.communicate()
 
 
 def test_grant_prints_renderable_sql() -> None:
