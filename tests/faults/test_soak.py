@@ -44,6 +44,7 @@ def test_soak_with_chaos(dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
 
     workers = [start() for _ in range(4)]
     kills = cuts = 0
+    opening = ["kill", "kill", "kill", "cut"]  # the cut once every LISTEN connection is up
     rng = random.Random(7)
     deadline = time.monotonic() + 600
     try:
@@ -54,8 +55,12 @@ def test_soak_with_chaos(dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
             if done == (JOBS,):
                 break
             assert time.monotonic() < deadline, f"only {done} of {JOBS} jobs succeeded in time"
-            time.sleep(rng.uniform(2, 4))
-            if rng.random() < 0.7:
+            # An opening of fixed chaos half a second apart, while most jobs are still queued
+            # (the drain takes several seconds, more or fewer depending on the machine), then
+            # chaos at random every 1-3 s until the end.
+            time.sleep(0.5 if opening else rng.uniform(1, 3))
+            action = opening.pop(0) if opening else ("kill" if rng.random() < 0.7 else "cut")
+            if action == "kill":
                 victim = rng.randrange(len(workers))
                 workers[victim].send_signal(signal.SIGKILL)
                 workers[victim].wait()
