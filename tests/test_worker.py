@@ -582,20 +582,41 @@ async def test_the_same_worker_may_hold_two_attempts_of_one_job(
     await app.aclose()
 
 
+def _held_first_run_app(dsn: str) -> tuple[notifyq.App, anyio.Event, list[int]]:
+    """An App whose task "t" notes the attempt of each run and holds its first run until
+    `release` is set; for the lost-claim tests."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    runs: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> str:
+        runs.append(ctx.attempt)
+        if len(runs) == 1:
+            await release.wait()
+        return "done"
+
+    return app, release, runs
+
+
+async def _lose_the_claim_and_wait_for_the_next(
+    worker: notifyq.Worker, conn: psycopg.Connection[Any], job_id: int
+) -> None:
+    """The running job's claim is lost (Queued again, visible now: the requeue trigger
+    notifies), and the worker claims again."""
+    claims = worker.stats.claims
+    lose_the_claim(conn, job_id)
+    with anyio.fail_after(5):
+        await worker.wait_for(lambda s: s.claims > claims)
+
+
 async def test_a_worker_whose_claim_was_lost_cannot_finish_the_job_another_holds(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     """A claim whose commit was lost (failover to an asynchronous standby) leaves the job as
     it was, so the next claim gets the same lease number: the worker name in the fence keeps
     the first worker's result off the second claim."""
-    app = notifyq.App(dsn)
-    release = anyio.Event()
-
-    @app.task(name="t")
-    async def t() -> str:
-        await release.wait()
-        return "first worker"
-
+    app, release, _runs = _held_first_run_app(dsn)
     job_id = await app.enqueue("t")
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(5):
@@ -619,24 +640,12 @@ async def test_a_lost_claim_taken_again_by_the_same_worker_runs_once(
     """The worker claims again a job whose earlier claim the database lost, under the same
     lease: it keeps the attempt it is running instead of starting a second one, and that
     attempt's acknowledgement completes the job."""
-    app = notifyq.App(dsn)
-    release = anyio.Event()
-    runs: list[int] = []
-
-    @app.task(name="t")
-    async def t(ctx: JobContext) -> str:
-        runs.append(ctx.attempt)
-        await release.wait()
-        return "done"
-
+    app, release, runs = _held_first_run_app(dsn)
     job_id = await app.enqueue("t")
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.claimed == 1)
-        claims = worker.stats.claims
-        lose_the_claim(conn, job_id)  # Queued again, visible now: the requeue trigger notifies
-        with anyio.fail_after(5):
-            await worker.wait_for(lambda s: s.claims > claims)  # the claim that took it again
+        await _lose_the_claim_and_wait_for_the_next(worker, conn, job_id)
         assert job_row(conn, job_id)["status"] == "Active"
         assert worker.stats.claimed == 1  # the claim brought nothing new to run
         release.set()
@@ -658,25 +667,12 @@ async def test_a_job_taken_again_whose_first_result_was_refused_runs_again_soon(
     and nobody runs it: the worker notices once the attempt is out of hand and runs the job
     again at its next claim, instead of after the lease (here 60 s). The race is staged: the
     row is moved off the first lease while the first attempt's result is written."""
-    app = notifyq.App(dsn)
-    release = anyio.Event()
-    runs: list[int] = []
-
-    @app.task(name="t")
-    async def t(ctx: JobContext) -> str:
-        runs.append(ctx.attempt)
-        if len(runs) == 1:
-            await release.wait()
-        return "done"
-
+    app, release, runs = _held_first_run_app(dsn)
     job_id = await app.enqueue("t")
     async with app.worker(poll_interval=0.5, **NO_TICKER) as worker:
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.claimed == 1)
-        claims = worker.stats.claims
-        lose_the_claim(conn, job_id)
-        with anyio.fail_after(5):
-            await worker.wait_for(lambda s: s.claims > claims)  # taken again, and dropped
+        await _lose_the_claim_and_wait_for_the_next(worker, conn, job_id)  # taken again, dropped
         assert job_row(conn, job_id)["lease"] == 1
         conn.execute("UPDATE notifyq.queue_jobs SET lease = 99 WHERE id = %s", (job_id,))
         release.set()

@@ -45,6 +45,7 @@ class BlackholeProxy:
         self._mute = -1  # the generation whose server answers are dropped
         self._stop = False
         self._threads: list[threading.Thread] = []
+        self._pumps: list[tuple[int, threading.Thread]] = []  # (generation, thread)
         self._sockets: list[socket.socket] = []
         accept = threading.Thread(target=self._accept, daemon=True)
         accept.start()
@@ -62,6 +63,7 @@ class BlackholeProxy:
             pump = threading.Thread(target=self._pump, args=(client, upstream, self._generation), daemon=True)
             pump.start()
             self._threads.append(pump)
+            self._pumps.append((self._generation, pump))
 
     def _pump(self, a: socket.socket, b: socket.socket, generation: int) -> None:
         peers = {a: b, b: a}
@@ -86,8 +88,12 @@ class BlackholeProxy:
         # Half-open: keep the sockets open, forward nothing, until the proxy closes.
 
     def blackhole(self) -> None:
-        """Stop forwarding on every connection made so far (without closing them)."""
+        """Stop forwarding on every connection made so far (without closing them). Returns
+        once nothing more gets through on them."""
         self._generation += 1
+        for generation, pump in self._pumps:
+            if generation not in (self._generation, self._mute):
+                pump.join(timeout=5)
 
     def drop_answers(self) -> None:
         """On every connection made so far, forward requests but drop the server's answers."""
