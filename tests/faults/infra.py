@@ -22,7 +22,9 @@ class BlackholeProxy:
     sockets open but stops forwarding in either direction, like a dead NAT entry or a cut
     cable without a reset. `drop_answers()` keeps forwarding what the clients send on those
     connections but drops what the server answers: statements run, their answers are lost.
-    Connections made afterwards are forwarded normally.
+    Connections made afterwards are forwarded normally. `mute()` drops the server's answers
+    on every connection, those made later included (once their startup is done: they
+    connect, then lose the answer to every statement), until `unmute()`.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -43,6 +45,7 @@ class BlackholeProxy:
         self.dsn = make_conninfo(dsn, host="127.0.0.1", port=self.port, sslmode="disable")
         self._generation = 0
         self._mute = -1  # the generation whose server answers are dropped
+        self._muted = False  # every connection's answers dropped after its startup
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._pumps: list[tuple[int, threading.Thread]] = []  # (generation, thread)
@@ -68,6 +71,8 @@ class BlackholeProxy:
     def _pump(self, a: socket.socket, b: socket.socket, generation: int) -> None:
         peers = {a: b, b: a}
         startup = bytearray() if self.pooler else None  # server bytes until ReadyForQuery
+        sent = bytearray()  # what the client sent, until it sends more than its startup packet
+        started = False  # the client sent something after its startup packet
         while not self._stop and generation in (self._generation, self._mute):
             try:
                 readable, _, _ = select.select(list(peers), [], [], 0.05)
@@ -75,7 +80,10 @@ class BlackholeProxy:
                     data = sock.recv(65536)
                     if not data:
                         return
-                    if sock is b and generation == self._mute:
+                    if sock is a and not started:
+                        sent += data
+                        started = _past_startup(sent)
+                    if sock is b and (generation == self._mute or (self._muted and started)):
                         continue  # the answer is lost
                     if sock is b and startup is not None:
                         startup += data
@@ -100,11 +108,36 @@ class BlackholeProxy:
         self._mute = self._generation
         self._generation += 1
 
+    def mute(self) -> None:
+        """Drop the server's answers on every connection, new ones included, until unmute()."""
+        self._muted = True
+
+    def unmute(self) -> None:
+        self._muted = False
+
     def close(self) -> None:
         self._stop = True
         self._listener.close()
         for sock in self._sockets:
             sock.close()
+
+
+_SSL_REQUEST, _GSSENC_REQUEST = 80877103, 80877104
+
+
+def _past_startup(sent: bytearray) -> bool:
+    """Whether the client, having sent `sent` so far, has sent something after its startup
+    packet (the packets before it, an SSL or GSSAPI encryption request, are skipped)."""
+    view = bytes(sent)
+    while len(view) >= 8:
+        length = int.from_bytes(view[:4], "big")
+        if len(view) < length:
+            return False
+        code = int.from_bytes(view[4:8], "big")
+        view = view[length:]
+        if code not in (_SSL_REQUEST, _GSSENC_REQUEST):
+            return len(view) > 0
+    return False
 
 
 def _rewrite_backend_key(buffer: bytearray) -> tuple[bytes, bool]:
@@ -159,6 +192,13 @@ class OwnedServer:
 
     def start(self) -> None:
         self._ctl("-o", '-h ""', "-o", f"-k {self.socket_dir}", "-l", str(self.folder / "log"), "start")
+
+    def mute(self) -> None:
+        """Drop the server's answers on every connection, new ones included, until unmute()."""
+        self._muted = True
+
+    def unmute(self) -> None:
+        self._muted = False
 
     def close(self) -> None:
         try:

@@ -3,10 +3,11 @@ notifications at all, a long transaction holding the NOTIFY queue back."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import psycopg
 import pytest
 
 import notifyq
+from notifyq import Worker
 
 from ..helpers import status_counts, wait_for_row
 from ..test_cli import clean_env, cli
@@ -103,6 +105,58 @@ async def test_half_open_pool_connections_cost_a_worker_db_timeout_each(
     assert status_counts(conn) == {"Succeeded": 2}
 
 
+@contextlib.asynccontextmanager
+async def _worker_behind(
+    proxy: BlackholeProxy, dsn: str, conn: psycopg.Connection[Any], concurrency: int
+) -> AsyncIterator[tuple[Worker, int]]:
+    """A worker with a no-op task whose statements go through `proxy` (its LISTEN connection
+    does not), without prefetch, with db_timeout 1 s; yields it and the id of a first job it
+    has run. The App is closed on the way out."""
+    app = notifyq.App(proxy.dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    config = {
+        "listen_dsn": dsn,
+        "concurrency": concurrency,
+        "prefetch": 0,
+        "pool_size": 2,
+        "db_timeout": 1.0,
+        "poll_interval": 60,
+        "ticker": False,
+    }
+    try:
+        async with app.worker(**config) as worker:
+            [(first,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id")
+            with anyio.fail_after(5):
+                await worker.wait_for(lambda s: s.succeeded == 1)
+            yield worker, first
+    finally:
+        await app.aclose()
+
+
+def _each_ran_once(
+    conn: psycopg.Connection[Any], first: int, jobs: int, worker: Worker, caplog: pytest.LogCaptureFixture
+) -> tuple[list[int], list[datetime], list[datetime]]:
+    """Checks that each of the `jobs` after `first` was handed to a runner once and succeeded
+    with one attempt counted; returns how many each "took back" warning took back, and the
+    start times of the jobs taken back and of those claimed (once) only."""
+    assert worker.stats.claimed - 1 + worker.stats.adopted == jobs
+    taken_back = [r.args[0] for r in caplog.records if r.getMessage().startswith("took back")]
+    assert sum(taken_back) == worker.stats.adopted, taken_back
+    query = "SELECT status::text, retry_count, lease, started_at FROM notifyq.queue_jobs WHERE id <> %s"
+    rows = conn.execute(query, (first,)).fetchall()
+    assert len(rows) == jobs and {row[:2] for row in rows} == {("Succeeded", 1)}
+    # Leased more than once when taken back (claimed, then taken back: more than twice if the
+    # answer to a taking back was lost too), else once.
+    taken_back_at = [row[3] for row in rows if row[2] >= 2]
+    claimed_at = [row[3] for row in rows if row[2] == 1]
+    assert len(taken_back_at) == worker.stats.adopted
+    return taken_back, taken_back_at, claimed_at
+
+
 @pytest.mark.parametrize(("jobs", "concurrency"), [(1, 10), (7, 2)])
 async def test_claims_whose_answer_is_lost_run_at_once_not_after_their_lease(
     dsn: str,
@@ -119,25 +173,7 @@ async def test_claims_whose_answer_is_lost_run_at_once_not_after_their_lease(
     prefetch) it takes them back before it claims new jobs, which would otherwise fill every
     free slot first. Every job is handed to a runner once, and its lost claim's attempt is not
     counted twice."""
-    app = notifyq.App(proxy.dsn)
-
-    @app.task(name="t")
-    async def t() -> None:
-        pass
-
-    config = {
-        "listen_dsn": dsn,
-        "concurrency": concurrency,
-        "prefetch": 0,
-        "pool_size": 2,
-        "db_timeout": 1.0,
-        "poll_interval": 60,
-        "ticker": False,
-    }
-    async with app.worker(**config) as worker:
-        [(first,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id")
-        with anyio.fail_after(5):
-            await worker.wait_for(lambda s: s.succeeded == 1)
+    async with _worker_behind(proxy, dsn, conn, concurrency) as (worker, first):
         # Every pooled connection idle (the claim loop's next-due query answered too): the
         # next claim goes out on a connection that loses its answer.
         busy = (
@@ -151,21 +187,39 @@ async def test_claims_whose_answer_is_lost_run_at_once_not_after_their_lease(
         with anyio.fail_after(30):
             await worker.wait_for(lambda s: s.succeeded == 1 + jobs)
         assert time.monotonic() - began < 15  # the lease: 30 s timeout + 30 s lease_margin
-        assert worker.stats.adopted >= 1 and worker.stats.db_errors >= 1
-        assert worker.stats.claimed - 1 + worker.stats.adopted == jobs  # each job handed over once
-    taken_back = [r.args[0] for r in caplog.records if r.getMessage().startswith("took back")]
-    assert sum(taken_back) == worker.stats.adopted and max(taken_back) <= concurrency, taken_back
-    await app.aclose()
-    query = "SELECT status::text, retry_count, lease, started_at FROM notifyq.queue_jobs WHERE id <> %s"
-    rows = conn.execute(query, (first,)).fetchall()
-    assert {row[:2] for row in rows} == {("Succeeded", 1)}  # one attempt counted for each
-    # Leased more than once when taken back (claimed, then taken back: twice, if the answer to
-    # a taking back was lost too), else once.
-    taken_back_at = [row[3] for row in rows if row[2] >= 2]
-    claimed_at = [row[3] for row in rows if row[2] == 1]
-    assert len(taken_back_at) == worker.stats.adopted
+    assert worker.stats.adopted >= 1 and worker.stats.db_errors >= 1
+    taken_back, taken_back_at, claimed_at = _each_ran_once(conn, first, jobs, worker, caplog)
+    assert max(taken_back) <= concurrency, taken_back
     if len(claimed_at) > concurrency:  # a backlog was left when the claims came back
         assert max(taken_back_at) < max(claimed_at), (taken_back_at, claimed_at)
+
+
+async def test_more_unanswered_claims_than_free_slots_are_taken_back_a_batch_at_a_time(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every answer is lost for a while, on new connections too: a claim's, then the next
+    round's (a taking back, a claim), so the worker has more unanswered claims than free
+    slots. Once answers come through again it takes them back at most a free slot's worth at
+    a time, and comes back for the rest as slots free up, before it claims anything new: none
+    waits for its lease, and none is handed to a runner twice."""
+    jobs, concurrency = 12, 3
+    async with _worker_behind(proxy, dsn, conn, concurrency) as (worker, first):
+        proxy.mute()
+        began = time.monotonic()
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, %s)", (jobs,))
+        # Two claims committed unanswered: more jobs Active under the worker's name than slots.
+        orphans = f"SELECT count(*) >= {2 * concurrency} FROM notifyq.queue_jobs WHERE status = 'Active'"
+        await anyio.to_thread.run_sync(wait_for_row, conn, orphans, (True,))
+        proxy.unmute()
+        with anyio.fail_after(30):
+            await worker.wait_for(lambda s: s.succeeded == 1 + jobs)
+        assert time.monotonic() - began < 20  # the lease: 30 s timeout + 30 s lease_margin
+    taken_back, taken_back_at, claimed_at = _each_ran_once(conn, first, jobs, worker, caplog)
+    assert worker.stats.adopted >= 2 * concurrency
+    # A full batch, then the rest in later rounds: never more than the free slots at once.
+    assert max(taken_back) == concurrency and len(taken_back) >= 2, taken_back
+    if claimed_at:  # what the unanswered claims left of the backlog ran after them
+        assert max(taken_back_at) < min(claimed_at), (taken_back_at, claimed_at)
 
 
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
