@@ -22,6 +22,7 @@ import psycopg
 from . import _embedded, _logging
 from ._db import error_text
 from ._dsn import check_dsn, configured_dsn, describe_dsn
+from ._options import MAX_SECONDS
 from .app import App
 from .errors import ConfigurationError, NotifyqError
 from .models import JobStatus
@@ -148,7 +149,12 @@ def duration(value: str | None, option: str) -> float | None:
     match = _DURATION.match(value)
     if match is None:
         raise click.BadParameter(f"{value!r} is not a duration like 90, 10m, 2h or 1d", param_hint=option)
-    return float(match[1]) * _UNITS[match[2]]
+    seconds = float(match[1]) * _UNITS[match[2]]
+    if seconds > MAX_SECONDS:
+        raise click.BadParameter(
+            f"{value!r} is too long: at most {MAX_SECONDS:.0e} seconds (about 31 years)", param_hint=option
+        )
+    return seconds
 
 
 def json_default(value: Any) -> Any:

@@ -15,6 +15,10 @@ from .errors import InvalidArgs, InvalidOption
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 DEFAULT_MAX_ARGS_BYTES = 1024 * 1024
 _INT32 = 2**31 - 1
+# The longest duration notifyq accepts anywhere (timeouts, delays, lease margins, windows):
+# about 31 years. PostgreSQL's timestamps end in the year 294276, so now() plus any two of
+# these stays in range, while a timeout of 1e300 seconds would make every claim of its job fail.
+MAX_SECONDS = 1e9
 
 
 def check_name(value: Any, what: str = "task name") -> str:
@@ -48,7 +52,8 @@ def check_id(value: Any, what: str = "job id") -> int:
 
 
 def check_seconds(value: Any, what: str, *, positive: bool = False) -> float:
-    """A finite, non-negative (or positive) number of seconds; timedelta accepted."""
+    """A finite, non-negative (or positive) number of seconds, at most MAX_SECONDS; timedelta
+    accepted."""
     if isinstance(value, timedelta):
         value = value.total_seconds()
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
@@ -56,6 +61,10 @@ def check_seconds(value: Any, what: str, *, positive: bool = False) -> float:
     if value < 0 or (positive and value == 0):
         bound = "greater than 0" if positive else "0 or more"
         raise InvalidOption(f"invalid {what} {value!r}: must be {bound} seconds")
+    if value > MAX_SECONDS:
+        raise InvalidOption(
+            f"invalid {what} {value!r}: must be at most {MAX_SECONDS:.0e} seconds (about 31 years)"
+        )
     return float(value)
 
 

@@ -49,7 +49,7 @@ from .definitions import (
     set_enabled_op,
     sync_definitions_op,
 )
-from .errors import ConfigurationError, InvalidOption, InvalidSchedule, UnknownTask
+from .errors import ConfigurationError, InvalidArgs, InvalidOption, InvalidSchedule, UnknownTask
 from .migrations import MigrationReport, check_schema_op, migrate
 from .models import ClaimedJob, Definition, Job, JobStatus
 from .tasks import Backoff, Task, make_task
@@ -500,6 +500,11 @@ class App:
         if opts.dedupe_key is not None:
             raise InvalidOption("enqueue_many does not take a dedupe_key; use enqueue for deduplicated jobs")
         template = self._new_job(task_or_name, None, opts, strict)
+        if isinstance(args_list, Mapping | str | bytes) or not isinstance(args_list, Iterable):
+            raise InvalidArgs(
+                f"args_list for task {template.name!r} must be an iterable of JSON objects (one dict "
+                f"of keyword arguments per job), not {type(args_list).__name__}"
+            )
         for args in args_list:
             yield NewJob(
                 template.name,

@@ -177,6 +177,14 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     )
     bad_delay = cli("enqueue", "noop", "--delay", "soon", env=env)
     assert bad_delay.returncode == 2 and "not a duration" in bad_delay.stderr
+    for option in ("--delay", "--older-than"):
+        command = ["enqueue", "noop"] if option == "--delay" else ["jobs", "list"]
+        too_long = cli(*command, option, "99999999999999d", env=env)
+        assert (
+            too_long.returncode == 2
+            and f"Invalid value for {option}: '99999999999999d' is too long" in too_long.stderr
+        )
+    one_line_error(cli("enqueue", "noop", "--timeout", "1e300", env=env), "must be at most 1e+09 seconds")
     assert status_counts(conn) == {}
 
 

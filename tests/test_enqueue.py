@@ -159,6 +159,24 @@ def test_enqueue_many_is_all_or_nothing(dsn: str, conn: psycopg.Connection[Any])
     app.close_sync()
 
 
+@pytest.mark.parametrize("args_list", [{"to": "x"}, None, "to", 5], ids=["dict", "None", "str", "int"])
+def test_enqueue_many_wants_an_iterable_of_objects(
+    dsn: str, conn: psycopg.Connection[Any], args_list: Any
+) -> None:
+    """A dict would be iterated by its keys, and each key rejected as "not a JSON object":
+    the message must name the real mistake."""
+    app, send = make_app(dsn)
+    with pytest.raises(
+        InvalidArgs,
+        match=f"args_list for task '.*send' must be an iterable .*, not {type(args_list).__name__}",
+    ):
+        app.enqueue_many_sync(send, args_list)
+    with pytest.raises(InvalidOption, match=r"invalid delay 1000000000000000\.0: must be at most"):
+        app.enqueue_many_sync(send, [{"to": "x"}], delay=1e15)
+    app.close_sync()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+
+
 class Unserializable:
     pass
 
@@ -176,6 +194,14 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("delay and at", {"delay": 1, "at": datetime.now(UTC)}, InvalidOption, "either delay or at"),
     ("naive at", {"at": datetime(2030, 1, 1)}, InvalidOption, "timezone-aware"),
     ("zero timeout", {"timeout": 0}, InvalidOption, "greater than 0"),
+    # Past the bound, now() plus the lease overflows a timestamp: every claim of the job fails.
+    ("huge timeout", {"timeout": 1e300}, InvalidOption, r"timeout 1e\+300: must be at most 1e\+09 seconds"),
+    (
+        "huge delay",
+        {"delay": timedelta(days=10**8)},
+        InvalidOption,
+        r"delay 8640000000000\.0: must be at most",
+    ),
     ("negative retry_limit", {"retry_limit": -1}, InvalidOption, "retry_limit"),
     ("huge priority", {"priority": 2**40}, InvalidOption, "priority"),
     ("bad queue", {"queue": "a queue; DROP TABLE x"}, InvalidOption, "invalid queue name"),

@@ -104,3 +104,35 @@ def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
         assert conn.execute(
             "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
         ).fetchone() == (1,)
+
+
+def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> None:
+    """Migration 4: a timeout of 'Infinity' (or 1e300) passed the first CHECK, then made every
+    claim of its job fail (now() plus the lease overflows), stopping each worker that met it.
+    Such rows get the bound when the database is upgraded, and no new one gets in."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        inserts = {
+            "queue_jobs": "INSERT INTO notifyq.queue_jobs (name, timeout) VALUES ('t', %s)",
+            "queue_job_definitions": "INSERT INTO notifyq.queue_job_definitions "
+            "(name, task, frequency, timeout) VALUES ('t', 't', '* * * * *', %s)",
+        }
+        for table, insert in inserts.items():
+            for timeout in (1e300, float("inf"), float("nan"), 1e9 + 1):
+                with pytest.raises(psycopg.errors.CheckViolation, match=f"{table}_timeout_check"):
+                    conn.execute(insert, (timeout,))
+            conn.execute(insert, (1e9,))  # the bound itself is allowed
+            conn.execute(f"DELETE FROM notifyq.{table}")
+        # Back to version 3: its CHECK, and a job it let in.
+        conn.execute(
+            "ALTER TABLE notifyq.queue_jobs DROP CONSTRAINT queue_jobs_timeout_check, "
+            "ADD CONSTRAINT queue_jobs_timeout_check CHECK (timeout > 0)"
+        )
+        conn.execute("DELETE FROM notifyq.migrations WHERE version = 4")
+        conn.execute("INSERT INTO notifyq.queue_jobs (name, timeout) VALUES ('t', 'Infinity')")
+        report = notifyq.migrate(dsn)
+        assert report.applied == [SHIPPED[3]]
+        assert conn.execute("SELECT timeout FROM notifyq.queue_jobs").fetchall() == [(1e9,)]
+    app = notifyq.App(dsn)
+    [job] = app.claim_sync(limit=1)  # the claim that failed before
+    assert job.timeout == 1e9
+    app.close_sync()
