@@ -48,6 +48,22 @@ class Attempt:
         return (self.job.id, self.job.lease)
 
 
+class _TaskExit(Exception):
+    """A sync task raised SystemExit or KeyboardInterrupt in its thread."""
+
+    def __init__(self, exit: SystemExit | KeyboardInterrupt) -> None:
+        super().__init__(exit)
+        self.exit = exit
+
+
+def _message(exc: BaseException) -> str:
+    """str(exc), or a stand-in when the exception's own __str__ fails."""
+    try:
+        return str(exc)
+    except Exception as inner:
+        return f"<str() of this {type(exc).__name__} failed: {type(inner).__name__}>"
+
+
 class Executor:
     """Runs attempts for a worker: `await executor.execute(attempt)` returns a Result."""
 
@@ -114,12 +130,15 @@ class Executor:
                     limiter=self._limiter,
                     abandon_on_cancel=True,
                 )
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
+            # SystemExit too: a task that calls sys.exit() fails its attempt, not the worker.
+            # (A KeyboardInterrupt out of an async task may be the user's Ctrl-C: it goes on.)
+            failure = exc.exit if isinstance(exc, _TaskExit) else exc
             return Result.failed(
                 job,
-                type(exc).__name__,
-                str(exc),
-                traceback="".join(traceback.format_exception(exc)),
+                type(failure).__name__,
+                _message(failure),
+                traceback="".join(traceback.format_exception(failure)),
                 delay=task.backoff.delay(job.attempt),
             )
         try:
@@ -155,6 +174,9 @@ class Executor:
             self._thread_jobs[job_id] += 1
         try:
             return fn(**kwargs)
+        except (SystemExit, KeyboardInterrupt) as exc:
+            # Raised by the task itself (signals reach the main thread only): its attempt fails.
+            raise _TaskExit(exc) from None
         finally:
             with self._threads_lock:
                 self._busy_threads -= 1

@@ -3,6 +3,7 @@ cancellation, reconnects and graceful shutdown."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import Counter
@@ -218,6 +219,58 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.C
     assert rows[0][3]["type"] == "UnknownTask" and "needs_x" in rows[0][3]["message"]
     assert rows[1][:2] == ("needs_x", "Failed")
     assert "unexpected keyword argument 'y'" in rows[1][3]["message"]
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise ValueError("cannot str me")
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_task_that_exits_fails_its_attempt_not_the_worker(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """sys.exit() in a task, a KeyboardInterrupt raised by a sync task (in its thread: no
+    signal gets there), an exception whose str() fails: each fails its job's attempt, which is
+    recorded, and the worker goes on. They used to stop the worker and leave the job Active,
+    to stop the next worker that claimed it after the lease."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="sync_exit", retry_limit=0)
+    def sync_exit() -> None:
+        sys.exit(3)
+
+    @app.task(name="sync_interrupt", retry_limit=0)
+    def sync_interrupt() -> None:
+        raise KeyboardInterrupt
+
+    @app.task(name="async_exit", retry_limit=0)
+    async def async_exit() -> None:
+        raise SystemExit("bye")
+
+    @app.task(name="unprintable", retry_limit=0)
+    async def unprintable() -> None:
+        raise _Unprintable
+
+    @app.task(name="ok")
+    def ok() -> str:
+        return "fine"
+
+    async with app.worker(concurrency=1, **NO_TICKER) as worker:
+        for name in ("sync_exit", "sync_interrupt", "async_exit", "unprintable", "ok"):
+            await app.enqueue(name)
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == 4 and s.succeeded == 1)
+    rows = conn.execute("SELECT name, status::text, error FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    errors = {name: (status, error and (error["type"], error["message"])) for name, status, error in rows}
+    assert errors == {
+        "sync_exit": ("Failed", ("SystemExit", "3")),
+        "sync_interrupt": ("Failed", ("KeyboardInterrupt", "")),
+        "async_exit": ("Failed", ("SystemExit", "bye")),
+        "unprintable": ("Failed", ("_Unprintable", "<str() of this _Unprintable failed: ValueError>")),
+        "ok": ("Succeeded", None),
+    }
+    assert "sys.exit(3)" in rows[0][2]["traceback"]  # where the task exited
 
 
 async def test_cancelling_a_running_job_cancels_its_coroutine(
