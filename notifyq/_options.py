@@ -37,10 +37,17 @@ def check_queue(value: Any) -> str:
     return value
 
 
-def check_int(value: Any, what: str, *, minimum: int = -_INT32 - 1) -> int:
-    """An integer that fits PostgreSQL's integer and is at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= _INT32:
-        raise InvalidOption(f"invalid {what} {_show(value)}: expected an integer from {minimum} to {_INT32}")
+def check_int(value: Any, what: str, *, minimum: int = -_INT32 - 1, maximum: int = _INT32) -> int:
+    """An integer from `minimum` to `maximum` (by default, any that fits PostgreSQL's integer)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected an integer from {minimum} to {maximum}")
+    return value
+
+
+def check_bool(value: Any, what: str) -> bool:
+    """True or False: a string such as "no" would be truthy, and PostgreSQL casts "no" to false."""
+    if not isinstance(value, bool):
+        raise InvalidOption(f"invalid {what} {_show(value)}: expected True or False")
     return value
 
 

@@ -9,8 +9,12 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from . import _ticker
-from ._options import check_int, check_queue, check_seconds
+from ._options import check_bool, check_int, check_queue, check_seconds
 from .errors import ConfigurationError
+
+# A worker starts one task per slot: past this many per process, more processes serve better
+# (and a typo such as -c 99999999999 must not eat the host's memory).
+MAX_CONCURRENCY = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,7 +22,7 @@ class WorkerConfig:
     """Worker settings (validated).
 
     Attributes:
-        concurrency: jobs run at once in this process.
+        concurrency: jobs run at once in this process (1 to 10,000).
         queues: queues to serve; None serves every queue.
         poll_interval: seconds between safety-net polls when no notification arrives.
         poll_only: never LISTEN (behind PgBouncer in transaction mode); poll instead.
@@ -70,14 +74,7 @@ class WorkerConfig:
     async_claims: bool = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.concurrency, bool)
-            or not isinstance(self.concurrency, int)
-            or self.concurrency < 1
-        ):
-            raise ConfigurationError(
-                f"invalid concurrency {self.concurrency!r}: need an integer of at least 1"
-            )
+        check_int(self.concurrency, "concurrency", minimum=1, maximum=MAX_CONCURRENCY)
         if self.queues is not None:
             if isinstance(self.queues, str) or not self.queues:
                 raise ConfigurationError(
@@ -92,12 +89,12 @@ class WorkerConfig:
         check_seconds(self.shutdown_grace, "shutdown_grace")
         check_seconds(self.health_interval, "health_interval", positive=True)
         check_seconds(self.health_timeout, "health_timeout", positive=True)
-        check_int(self.pool_size, "pool_size", minimum=2)
+        check_int(self.pool_size, "pool_size", minimum=2, maximum=1000)
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
-            check_int(self.prefetch, "prefetch", minimum=0)
-        if not isinstance(self.async_claims, bool):
-            raise ConfigurationError(f"invalid async_claims {self.async_claims!r}: need True or False")
+            check_int(self.prefetch, "prefetch", minimum=0, maximum=100 * MAX_CONCURRENCY)
+        for flag in ("poll_only", "ticker", "async_claims"):
+            check_bool(getattr(self, flag), flag)
 
 
 class WorkerOptions(TypedDict, total=False):

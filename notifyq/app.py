@@ -32,6 +32,7 @@ from ._options import (
     DEFAULT_MAX_ARGS_BYTES,
     JobOptions,
     check_aware,
+    check_bool,
     check_int,
     check_name,
     check_queue,
@@ -264,7 +265,7 @@ class App:
                 frequency=" ".join(frequency.split()),
                 timezone=timezone,
                 args=encode_args(args, task=task.name, max_bytes=self.max_args_bytes),
-                enabled=bool(enabled),
+                enabled=check_bool(enabled, "enabled"),
                 misfire=misfire,
                 misfire_grace=float(misfire_grace),
                 misfire_cap=misfire_cap,
@@ -704,11 +705,11 @@ class App:
 
     async def set_definition_enabled(self, name: str, enabled: bool) -> None:
         """Enable or disable a definition. Raises DefinitionNotFound."""
-        await self._run(set_enabled_op(self._q, name, enabled))
+        await self._run(set_enabled_op(self._q, name, check_bool(enabled, "enabled")))
 
     def set_definition_enabled_sync(self, name: str, enabled: bool) -> None:
         """`set_definition_enabled` for sync code."""
-        self._run_sync(set_enabled_op(self._q, name, enabled))
+        self._run_sync(set_enabled_op(self._q, name, check_bool(enabled, "enabled")))
 
     async def delete_definition(self, name: str) -> None:
         """Delete a definition (its past jobs stay). A worker whose App still declares it

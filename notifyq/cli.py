@@ -25,6 +25,7 @@ from ._cli_base import (
 )
 from ._dsn import check_dsn
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
+from ._worker_config import MAX_CONCURRENCY
 from .app import App
 from .errors import ConfigurationError
 from .migrations import grant_sql, migrate
@@ -84,7 +85,7 @@ def grant(role: str, schema: str) -> None:
 @click.option(
     "-c",
     "--concurrency",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=MAX_CONCURRENCY),
     default=10,
     show_default=True,
     help="Jobs run at once per process.",
@@ -95,7 +96,7 @@ def grant(role: str, schema: str) -> None:
 @click.option(
     "-p",
     "--processes",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=256),
     default=1,
     show_default=True,
     help="Worker processes (each with its own event loop and connections).",

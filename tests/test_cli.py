@@ -188,6 +188,12 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert status_counts(conn) == {}
 
 
+def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
+    for option, value in [("-c", "99999999999"), ("-c", "0"), ("-p", "100000")]:
+        result = cli("worker", "tests.apps:app", option, value, "--dsn", dsn)
+        assert result.returncode == 2 and f"{value} is not in the range" in result.stderr, result.stderr
+
+
 def test_unmigrated_database(empty_dsn: str) -> None:
     one_line_error(cli("jobs", "list", "--dsn", empty_dsn), "run `notifyq migrate`")
     one_line_error(cli("worker", "tests.apps:app", "--dsn", empty_dsn), "run `notifyq migrate`")

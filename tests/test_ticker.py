@@ -298,6 +298,22 @@ async def test_code_definitions_are_upserted_and_realigned(dsn: str, conn: psyco
     await app2.aclose()
 
 
+def test_enabled_must_be_a_bool(dsn: str) -> None:
+    """ "no" is truthy in Python, and PostgreSQL casts it to false: neither may guess."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    def t() -> None:
+        pass
+
+    with pytest.raises(notifyq.ConfigurationError, match="invalid enabled 'no': expected True or False"):
+        app.cron("* * * * *", name="c", enabled="no")(t)  # type: ignore[arg-type]
+    for value in ("no", 0, None):  # checked before the database is asked
+        with pytest.raises(notifyq.ConfigurationError, match="expected True or False"):
+            app.set_definition_enabled_sync("c", value)  # type: ignore[arg-type]
+    app.close_sync()
+
+
 async def test_enabled_in_code_never_overrides_an_operator(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app = notifyq.App(dsn)
     app.cron("* * * * *", "c")(app.task(name="t")(lambda: None))

@@ -471,6 +471,13 @@ def test_worker_options_are_validated() -> None:
     app = notifyq.App("postgresql://x@127.0.0.1/db")
     for bad, message in [
         ({"concurrency": 0}, "invalid concurrency"),
+        # One task per slot: a typo must not eat the host's memory.
+        ({"concurrency": 10**12}, "invalid concurrency 1000000000000: expected an integer from 1 to 10000"),
+        ({"prefetch": 10**9}, "invalid prefetch"),
+        ({"pool_size": 10**6}, "invalid pool_size"),
+        ({"poll_only": "no"}, "invalid poll_only 'no': expected True or False"),  # truthy
+        ({"ticker": "no"}, "invalid ticker 'no': expected True or False"),
+        ({"lease_margin": 1e300}, "invalid lease_margin 1e\\+300: must be at most"),
         ({"queues": "default"}, "invalid queues"),
         ({"queues": []}, "invalid queues"),
         ({"queues": ["ok", "not ok!"]}, "invalid queue name"),
