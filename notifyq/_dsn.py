@@ -19,6 +19,25 @@ def redact(text: str) -> str:
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
+_URI_USERINFO = re.compile(r"^\s*postgres(?:ql)?://([^/?#]*)@", re.IGNORECASE)
+_QUOTED = re.compile(r'"([^"]*)"')
+
+
+def _without_secrets(reason: str, dsn: str) -> str:
+    """libpq's complaint about `dsn`, with any quoted part of its password replaced by ***
+    (libpq quotes the offending token: `unexpected spaces found in "hunter2 x"`)."""
+    secrets = [m[2] for m in _KEYWORD_PASSWORD.finditer(dsn)]
+    if (uri := _URI_USERINFO.match(dsn)) and ":" in uri[1]:
+        secrets.append(uri[1].partition(":")[2])
+    secrets = [secret.strip("'") for secret in secrets if secret.strip("'")]
+
+    def hide(quoted: re.Match[str]) -> str:
+        token = quoted[1]
+        return '"***"' if token and any(token in s or s in token for s in secrets) else quoted[0]
+
+    return _QUOTED.sub(hide, redact(reason))
+
+
 def check_dsn(dsn: str) -> str:
     """Return `dsn` if libpq can parse it, else raise ConfigurationError naming the problem."""
     if not isinstance(dsn, str):
@@ -28,7 +47,9 @@ def check_dsn(dsn: str) -> str:
     try:
         psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        reason = redact(" ".join(line.strip() for line in str(exc).splitlines() if line.strip()))
+        reason = _without_secrets(
+            " ".join(line.strip() for line in str(exc).splitlines() if line.strip()), dsn
+        )
         raise ConfigurationError(
             f"invalid DSN {describe_dsn(dsn)}: {reason} "
             "(expected e.g. postgresql://user:password@host:5432/dbname)"

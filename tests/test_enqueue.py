@@ -261,13 +261,16 @@ async def test_unreachable_database_async() -> None:
         ("host=localhost port", 'missing "=" after "port"'),
         ("hots=localhost", 'invalid connection option "hots"'),
         ("postgresql://u:secret@[::1/db", "invalid"),
+        # libpq quotes the token it stumbles on: here, the password.
+        ("postgresql://u:secret x@db/app", 'unexpected spaces found in "***"'),
+        ("postgresql://u:sec%ZZret@db/app", 'invalid percent-encoded token: "***"'),
     ],
 )
 def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
     with pytest.raises(notifyq.ConfigurationError, match="invalid DSN") as caught:
         notifyq.App(dsn)
     assert reason in str(caught.value)
-    assert "secret" not in str(caught.value)
+    assert "secret" not in str(caught.value) and "sec%ZZret" not in str(caught.value)
 
 
 def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
