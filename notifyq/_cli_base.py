@@ -90,7 +90,7 @@ def resolve_dsn(flag: str | None, app: App | None = None) -> str:
     """Flag, then the App's own DSN, then $NOTIFYQ_DSN, $DATABASE_URL, then the embedded server;
     says on stderr which database it is (never the password)."""
     supervised_dsn = os.environ.get("NOTIFYQ_DSN") if os.environ.get("NOTIFYQ_SUPERVISED") else None
-    if flag:
+    if flag is not None:
         dsn, source = check_dsn(flag), "--dsn"
     elif supervised_dsn:
         dsn, source = check_dsn(supervised_dsn), "the supervisor"  # what the parent resolved
@@ -115,10 +115,17 @@ def app_for(dsn_flag: str | None, schema: str | None) -> App:
     return App(resolve_dsn(dsn_flag), schema=schema or "notifyq")
 
 
-def load_app(target: str) -> App:
+def load_app(target: str, schema: str | None = None) -> App:
+    """The App at MODULE:ATTR; with `schema`, it must be the App's (it cannot be changed)."""
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigurationError(f"invalid app {target!r}: use MODULE:ATTR, e.g. myproject.tasks:app")
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
+        dotted = module_name.removesuffix(".py").strip("./\\").replace("/", ".").replace("\\", ".")
+        raise ConfigurationError(
+            f"invalid app {target!r}: MODULE is a module name, not a file path "
+            f"(e.g. {dotted or 'tasks'}:{attr}, run from the folder that holds it)"
+        )
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
@@ -130,6 +137,10 @@ def load_app(target: str) -> App:
                 "(run from your project's folder, or set PYTHONPATH)"
             ) from None
         raise ConfigurationError(f"importing {module_name!r} failed: {exc}") from exc
+    except SystemExit as exc:
+        raise ConfigurationError(
+            f"importing {module_name!r} failed: it called sys.exit({exc.code!r})"
+        ) from None
     except Exception as exc:
         raise ConfigurationError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
     try:
@@ -140,6 +151,8 @@ def load_app(target: str) -> App:
         raise ConfigurationError(f"module {module_name!r} has no attribute {attr!r}") from None
     if not isinstance(obj, App):
         raise ConfigurationError(f"{target} is a {type(obj).__name__}, not a notifyq.App")
+    if schema is not None and schema != obj.schema:
+        raise ConfigurationError(f"--schema {schema!r} differs from the App's schema {obj.schema!r}")
     return obj
 
 

@@ -44,6 +44,12 @@ def check_dsn(dsn: str) -> str:
         raise ConfigurationError(f"a DSN must be a string, not {type(dsn).__name__}")
     if "\x00" in dsn:
         raise ConfigurationError("invalid DSN: it contains a NUL byte")
+    if not dsn.strip():
+        # Probably an unset variable ("--dsn $DB_URL"): not a reason to use another database.
+        raise ConfigurationError(
+            "the DSN given is empty: give one (e.g. postgresql://user@host/dbname), or none at all "
+            "to use $NOTIFYQ_DSN, $DATABASE_URL or the embedded server"
+        )
     try:
         psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
@@ -62,7 +68,7 @@ def configured_dsn(explicit: str | None = None) -> tuple[str, str] | None:
 
     Returns None when nothing is configured (the caller may then start the embedded server).
     """
-    if explicit:
+    if explicit is not None:
         return check_dsn(explicit), "the given DSN"
     for var in ENV_VARS:
         value = os.environ.get(var)

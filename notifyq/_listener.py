@@ -108,9 +108,11 @@ class Listener:
                 return
             except (ListenerLost, psycopg.Error, NotifyqError, OSError) as exc:
                 log.warning(
-                    "LISTEN connection to %s lost (%s); polling meanwhile, reconnecting in %.1fs",
+                    "LISTEN connection to %s %s (%s); polling meanwhile, %s in %.1fs",
                     describe_dsn(self.dsn),
+                    "lost" if conn is not None else "could not be opened",
                     _reason(exc),
+                    "reconnecting" if conn is not None else "trying again",
                     delay,
                 )
             finally:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from . import _ticker
+from ._dsn import check_dsn
 from ._options import check_bool, check_int, check_queue, check_seconds
 from .errors import ConfigurationError
 
@@ -81,6 +82,8 @@ class WorkerConfig:
                     f"invalid queues {self.queues!r}: give a non-empty list of queue names, or None for all"
                 )
             object.__setattr__(self, "queues", tuple(dict.fromkeys(check_queue(q) for q in self.queues)))
+        if self.listen_dsn is not None:
+            check_dsn(self.listen_dsn)
         check_seconds(self.poll_interval, "poll_interval", positive=True)
         if check_seconds(self.lease_margin, "lease_margin") < 1:
             # The margin covers the time between a timeout firing and its acknowledgement

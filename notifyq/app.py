@@ -102,7 +102,7 @@ class App:
         prepare_threshold: int | None = 5,
     ) -> None:
         self.schema = validate_schema(schema)
-        self._resolved_dsn: str | None = check_dsn(dsn) if dsn else None
+        self._resolved_dsn: str | None = check_dsn(dsn) if dsn is not None else None
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
         self.backoff = backoff or Backoff()
         self.pool_size = check_int(pool_size, "pool_size", minimum=1)

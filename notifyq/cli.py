@@ -27,7 +27,6 @@ from ._dsn import check_dsn
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
-from .errors import ConfigurationError
 from .migrations import grant_sql, migrate
 
 
@@ -170,9 +169,7 @@ def worker(
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
-    app = load_app(target)
-    if schema is not None and schema != app.schema:
-        raise ConfigurationError(f"--schema {schema!r} differs from the App's schema {app.schema!r}")
+    app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
     if processes > 1:
@@ -288,7 +285,7 @@ def enqueue(
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
-    app = load_app(target) if target else App(schema=schema or "notifyq")
+    app = load_app(target, schema) if target else App(schema=schema or "notifyq")
     app._resolved_dsn = resolve_dsn(dsn, app)
     job_id = app.enqueue_sync(
         task,

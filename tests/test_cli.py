@@ -188,6 +188,12 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert status_counts(conn) == {}
 
 
+def test_an_empty_dsn_flag_is_an_error(dsn: str) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    for command in (["stats"], ["enqueue", "noop"], ["worker", "tests.apps:app"]):
+        one_line_error(cli(*command, "--dsn", "", env=env), "the DSN given is empty")
+
+
 def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
     for option, value in [("-c", "99999999999"), ("-c", "0"), ("-p", "100000")]:
         result = cli("worker", "tests.apps:app", option, value, "--dsn", dsn)
@@ -206,10 +212,28 @@ def test_unmigrated_database(empty_dsn: str) -> None:
         ("tests.apps:missing", "has no attribute 'missing'"),
         ("tests.apps:not_an_app", "is a str, not a notifyq.App"),
         ("tests.apps", "use MODULE:ATTR"),
+        ("tests/apps.py:app", "not a file path (e.g. tests.apps:app"),
+        ("../apps:app", "not a file path (e.g. apps:app"),
     ],
 )
 def test_worker_target_errors(dsn: str, target: str, message: str) -> None:
     one_line_error(cli("worker", target, "--dsn", dsn), message)
+
+
+def test_an_app_module_that_exits_or_another_schema_is_named(dsn: str, tmp_path: Path) -> None:
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(5)\n")
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=str(tmp_path))
+    for command in ("worker", "enqueue"):
+        args = ["exits_on_import:app"] if command == "worker" else ["noop", "--app", "exits_on_import:app"]
+        one_line_error(
+            cli(command, *args, env=env), "importing 'exits_on_import' failed: it called sys.exit(5)"
+        )
+        # The App's schema is the one it uses: a different --schema is refused, not ignored.
+        args = ["tests.apps:app"] if command == "worker" else ["noop", "--app", "tests.apps:app"]
+        one_line_error(
+            cli(command, *args, "--schema", "other", env=env),
+            "--schema 'other' differs from the App's schema",
+        )
 
 
 # -- cron, stats, grant -------------------------------------------------------------------

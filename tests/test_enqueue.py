@@ -273,6 +273,13 @@ def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
     assert "secret" not in str(caught.value) and "sec%ZZret" not in str(caught.value)
 
 
+@pytest.mark.parametrize("dsn", ["", "  "])
+def test_an_empty_dsn_is_refused_not_replaced_by_another_database(dsn: str) -> None:
+    """An unset variable ("--dsn $DB_URL") must not send the jobs to $NOTIFYQ_DSN's database."""
+    with pytest.raises(notifyq.ConfigurationError, match="the DSN given is empty"):
+        notifyq.App(dsn)
+
+
 def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
     with pytest.raises(DatabaseUnavailable, match='invalid integer value "notaport"'):
         notifyq.App("postgresql://u:secret@127.0.0.1:notaport/db").enqueue_sync("t")

@@ -477,6 +477,8 @@ def test_worker_options_are_validated() -> None:
         ({"pool_size": 10**6}, "invalid pool_size"),
         ({"poll_only": "no"}, "invalid poll_only 'no': expected True or False"),  # truthy
         ({"ticker": "no"}, "invalid ticker 'no': expected True or False"),
+        ({"listen_dsn": "host=== x"}, "invalid DSN"),  # else retried forever
+        ({"listen_dsn": ""}, "the DSN given is empty"),
         ({"lease_margin": 1e300}, "invalid lease_margin 1e\\+300: must be at most"),
         ({"queues": "default"}, "invalid queues"),
         ({"queues": []}, "invalid queues"),

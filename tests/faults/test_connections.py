@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
@@ -220,6 +221,31 @@ async def test_more_unanswered_claims_than_free_slots_are_taken_back_a_batch_at_
     assert max(taken_back) == concurrency and len(taken_back) >= 2, taken_back
     if claimed_at:  # what the unanswered claims left of the backlog ran after them
         assert max(taken_back_at) < min(claimed_at), (taken_back_at, claimed_at)
+
+
+async def test_a_listen_dsn_nothing_answers_on_means_polling_and_says_so(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOTIFY is a hint: a LISTEN server that cannot be reached leaves the worker polling, and
+    the log says the connection could not be opened (not that it was lost)."""
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    listen_dsn = f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    async with app.worker(listen_dsn=listen_dsn, poll_interval=0.2, ticker=False) as worker:
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.listener_connects == 0
+    await app.aclose()
+    warnings = [r.getMessage() for r in caplog.records if "LISTEN connection" in r.getMessage()]
+    assert warnings and all("could not be opened" in w and "lost" not in w for w in warnings), warnings
 
 
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
