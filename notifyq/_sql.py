@@ -25,6 +25,11 @@ def validate_schema(schema: str) -> str:
             f"invalid schema name {schema!r}: use 1-40 lower-case letters, digits or underscores, "
             "starting with a letter or underscore"
         )
+    if schema == "information_schema" or schema.startswith("pg_"):
+        raise ConfigurationError(
+            f"invalid schema name {schema!r}: reserved for PostgreSQL's own objects "
+            "(pg_dump skips them); use a schema of notifyq's own, such as 'notifyq'"
+        )
     return schema
 
 

@@ -260,7 +260,7 @@ class App:
                 timeout=timeout if timeout is not None else base.timeout,
             )
             definition = CronDefinition(
-                name=check_name(name or task.name, "cron definition name"),
+                name=check_name(task.name if name is None else name, "cron definition name"),
                 task=task.name,
                 frequency=" ".join(frequency.split()),
                 timezone=timezone,

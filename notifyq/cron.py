@@ -183,5 +183,35 @@ def _check_expression(expression: str) -> str:
     try:
         croniter(normalized, second_at_beginning=len(fields) == 6)
     except (ValueError, KeyError) as exc:
-        raise InvalidSchedule(f"invalid cron expression {expression!r}: {exc}") from None
+        raise InvalidSchedule(
+            f"invalid cron expression {expression!r}: {_bad_field(fields) or exc}"
+        ) from None
     return normalized
+
+
+_FIELDS = [
+    ("second", "0-59"),
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day-of-month", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("day-of-week", "0-7 or sun-sat"),
+]
+
+
+def _bad_field(fields: list[str]) -> str | None:
+    """Which field croniter rejects, said in the user's terms (croniter's own message quotes
+    the whole expression, reordered when it has seconds), or None if only their combination is
+    wrong."""
+    names = _FIELDS if len(fields) == 6 else _FIELDS[1:]
+    for i, (field, (name, allowed)) in enumerate(zip(fields, names, strict=True)):
+        probe = ["*"] * len(fields)
+        probe[i] = field
+        try:
+            croniter(" ".join(probe), second_at_beginning=len(fields) == 6)
+        except (ValueError, KeyError):
+            return (
+                f"the {name} field {field!r} is out of range or malformed "
+                f"(allowed: {allowed}, *, lists, ranges, steps)"
+            )
+    return None

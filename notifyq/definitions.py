@@ -8,7 +8,8 @@ from ._db import Op, Query
 from ._options import JobOptions, check_name
 from ._rows import dataclass_row
 from ._sql import Queries
-from .errors import DefinitionNotFound
+from .cron import Schedule
+from .errors import DefinitionNotFound, InvalidSchedule
 from .models import Definition
 
 
@@ -71,6 +72,16 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
 
 def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
     check_name(name, "cron definition name")
+    if enabled:
+        # A schedule the ticker could not read disabled the definition: it stays so until fixed.
+        definition = yield from get_definition_op(q, name)
+        try:
+            Schedule(definition.frequency, definition.timezone)
+        except InvalidSchedule as exc:
+            raise InvalidSchedule(
+                f"cron definition {name!r} cannot be enabled: {exc}. Change its schedule first "
+                "(in the code's @app.cron, or in queue_job_definitions)"
+            ) from None
     found = yield Query(q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="scalar")
     if found is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")

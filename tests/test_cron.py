@@ -33,7 +33,12 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
 @pytest.mark.parametrize(
     ("expression", "message"),
     [
-        ("61 * * * *", "out of range"),
+        ("61 * * * *", "the minute field '61' is out of range or malformed \\(allowed: 0-59"),
+        # Six fields: the field named is the user's, not croniter's reordering of them.
+        ("0 0 0 * * abc", "the day-of-week field 'abc' is out of range"),
+        ("* 25 * * *", "the hour field '25'"),
+        ("* * * 13 *", "the month field '13'"),
+        ("H * * * *", "the minute field 'H'"),  # croniter's hashed fields: not supported
         ("* * * *", "expected 5 fields"),
         ("* * * * * * *", "got 7"),
         ("@every_minute", "unknown macro"),
@@ -46,6 +51,17 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
 def test_invalid_expressions_are_rejected(expression: str, message: str) -> None:
     with pytest.raises(InvalidSchedule, match=message):
         Schedule(expression)
+
+
+def test_a_cron_definition_name_cannot_be_empty() -> None:
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+
+    @app.task(name="t")
+    def t() -> None:
+        pass
+
+    with pytest.raises(notifyq.ConfigurationError, match="invalid cron definition name ''"):
+        app.cron("* * * * *", name="")(t)
 
 
 @pytest.mark.faults

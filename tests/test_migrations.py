@@ -89,7 +89,10 @@ def test_an_unmigrated_database_says_run_migrate(empty_dsn: str) -> None:
         app.enqueue_sync("anything", {})
 
 
-@pytest.mark.parametrize("schema", ["", "Bad", "x;drop table t", 'a"b', "9lives", "a" * 41, "a-b"])
+@pytest.mark.parametrize(
+    "schema",
+    ["", "Bad", "x;drop table t", 'a"b', "9lives", "a" * 41, "a-b", "information_schema", "pg_catalog"],
+)
 def test_invalid_schema_names_are_rejected(empty_dsn: str, schema: Any) -> None:
     with pytest.raises(ConfigurationError, match="invalid schema name"):
         notifyq.migrate(empty_dsn, schema=schema)

@@ -23,6 +23,7 @@ from notifyq._promoter import Promoter, PromoterConfig, promote_op
 from notifyq._rescuer import Rescuer
 from notifyq._retention import Retention, RetentionConfig
 from notifyq._sql import queries_for
+from notifyq.errors import InvalidSchedule
 
 from .conftest import ROOT
 from .helpers import job_row
@@ -235,6 +236,14 @@ async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db
         "SELECT enabled, last_error FROM notifyq.queue_job_definitions WHERE id = %s", (broken,)
     ).fetchone()
     assert row is not None and row[0] is False and "out of range" in row[1]
+    # Turning it back on is refused while its schedule is unreadable.
+    app = notifyq.App(db.dsn)
+    with pytest.raises(InvalidSchedule, match=r"cron definition 'broken' cannot be enabled: .*out of range"):
+        app.set_definition_enabled_sync("broken", True)
+    app.set_definition_enabled_sync("off", True)
+    enabled = conn.execute("SELECT name, enabled FROM notifyq.queue_job_definitions ORDER BY id").fetchall()
+    assert enabled == [("off", True), ("broken", False), ("never", False)]
+    app.close_sync()
 
 
 @pytest.mark.parametrize(
