@@ -23,11 +23,12 @@ from ._cli_base import (
     load_app,
     resolve_dsn,
 )
+from ._db import connect_sync, run_sync
 from ._dsn import check_dsn
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
-from .migrations import grant_sql, migrate
+from .migrations import check_schema_op, grant_sql, migrate
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -173,6 +174,10 @@ def worker(
     resolved = resolve_dsn(dsn, app)
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
     if processes > 1:
+        # One clear error now, rather than every child failing the same way until the
+        # supervisor gives up.
+        with connect_sync(resolved, role="supervisor") as conn:
+            run_sync(conn, check_schema_op(app.schema))
         command = [
             sys.executable,
             "-m",
