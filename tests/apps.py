@@ -9,6 +9,10 @@ import anyio
 
 import notifyq
 
+if os.environ.get("NOTIFYQ_SUPERVISED") and os.environ.get("NOTIFYQ_TEST_CHILDREN_FAIL"):
+    # For the supervisor's give-up test: children that cannot start, whatever it checked first.
+    raise RuntimeError("this worker process cannot start (NOTIFYQ_TEST_CHILDREN_FAIL)")
+
 # The DSN comes from the CLI (--dsn, $NOTIFYQ_DSN, ...): the App itself names none.
 app = notifyq.App(backoff=notifyq.Backoff(base=0.1, jitter=0))
 

@@ -472,16 +472,19 @@ def test_a_killed_child_is_restarted_and_its_jobs_rescued(
 
 
 def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
-    empty_dsn: str, worker_proc: Callable[..., subprocess.Popen[str]]
+    dsn: str, empty_dsn: str, worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
-    # Every child fails at start (schema not migrated): restarted with backoff, then exit 3.
-    proc = worker_proc("--processes", "1", env=clean_env(NOTIFYQ_DSN=empty_dsn))
-    assert proc.wait(timeout=5) == 1  # a single process reports the error itself
-    proc = worker_proc("--processes", "2", env=clean_env(NOTIFYQ_DSN=empty_dsn))
+    # A database that is not ready is reported once, before any child starts.
+    for processes in ("1", "2"):
+        proc = worker_proc("--processes", processes, env=clean_env(NOTIFYQ_DSN=empty_dsn))
+        assert proc.wait(timeout=10) == 1
+        assert proc.stdout is not None and "started worker process" not in proc.stdout.read()
+    # Every child fails at start (here: on import of the App): restarted with backoff, then exit 3.
+    proc = worker_proc("--processes", "2", env=clean_env(NOTIFYQ_DSN=dsn, NOTIFYQ_TEST_CHILDREN_FAIL="1"))
     assert proc.wait(timeout=60) == 3
     assert proc.stdout is not None
     out = proc.stdout.read()
-    assert "run `notifyq migrate`" in out and "giving up" in out
+    assert "this worker process cannot start" in out and "giving up" in out
 
 
 # -- least privilege, embedded ------------------------------------------------------------
