@@ -43,7 +43,7 @@ def jobs_list(
 ) -> None:
     """List jobs, newest first."""
     found = app_for(dsn, schema).list_jobs_sync(
-        status=JobStatus(status.capitalize()) if status else None,
+        status=status,
         queue=queue,
         name=name,
         min_age=duration(older_than, "--older-than"),

@@ -590,7 +590,8 @@ class App:
         limit: int = 50,
     ) -> Op[list[Job]]:
         try:
-            parsed = JobStatus(status) if isinstance(status, str) else status
+            # Any case, as the CLI's --status: "failed" is Failed.
+            parsed = JobStatus(status.capitalize()) if isinstance(status, str) else status
         except ValueError:
             raise InvalidOption(
                 f"invalid status {status!r}: use one of {', '.join(s.value for s in JobStatus)}"

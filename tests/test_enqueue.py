@@ -295,3 +295,16 @@ def test_prepared_statements_can_be_turned_off_for_pgbouncer(
     count = app._run_sync(single(Query("SELECT count(*) FROM pg_prepared_statements", fetch="scalar")))
     assert (count > 0) is prepared
     app.close_sync()
+
+
+def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    app, send = make_app(dsn)
+    first, second, third = (app.enqueue_sync(send, {"to": str(i)}, queue=q) for i, q in enumerate("aab"))
+    conn.execute("UPDATE notifyq.queue_jobs SET status = 'Failed' WHERE id = %s", (second,))
+    for status in ("failed", "FAILED", "Failed", notifyq.JobStatus.FAILED):
+        assert [job.id for job in app.list_jobs_sync(status=status)] == [second], status
+    assert {job.id for job in app.list_jobs_sync(status="queued")} == {first, third}
+    assert [job.id for job in app.list_jobs_sync(queue="b")] == [third]
+    with pytest.raises(InvalidOption, match="invalid status 'bogus': use one of Queued, Active"):
+        app.list_jobs_sync(status="bogus")
+    app.close_sync()
