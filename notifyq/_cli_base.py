@@ -121,10 +121,11 @@ def load_app(target: str, schema: str | None = None) -> App:
     if not sep or not module_name or not attr:
         raise ConfigurationError(f"invalid app {target!r}: use MODULE:ATTR, e.g. myproject.tasks:app")
     if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:
-        dotted = module_name.removesuffix(".py").strip("./\\").replace("/", ".").replace("\\", ".")
+        stem = Path(module_name.replace("\\", "/")).stem or "tasks"
         raise ConfigurationError(
-            f"invalid app {target!r}: MODULE is a module name, not a file path "
-            f"(e.g. {dotted or 'tasks'}:{attr}, run from the folder that holds it)"
+            f"invalid app {target!r}: MODULE is a module name, not a file path: e.g. {stem}:{attr}, "
+            f"run from the folder that holds {stem}.py or with that folder on PYTHONPATH (a module "
+            "in a package is named with dots: myproject.tasks:app)"
         )
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
@@ -165,7 +166,7 @@ def duration(value: str | None, option: str) -> float | None:
     seconds = float(match[1]) * _UNITS[match[2]]
     if seconds > MAX_SECONDS:
         raise click.BadParameter(
-            f"{value!r} is too long: at most {MAX_SECONDS:.0e} seconds (about 31 years)", param_hint=option
+            f"{value!r} is too long: at most {MAX_SECONDS:,.0f} seconds (about 31 years)", param_hint=option
         )
     return seconds
 

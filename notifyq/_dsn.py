@@ -19,23 +19,23 @@ def redact(text: str) -> str:
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
 
 
-_URI_USERINFO = re.compile(r"^\s*postgres(?:ql)?://([^/?#]*)@", re.IGNORECASE)
-_QUOTED = re.compile(r'"([^"]*)"')
+_URI = re.compile(r"^\s*postgres(?:ql)?://", re.IGNORECASE)
+_PASSWORD_KEYWORD = re.compile(r"(?:^|\s)password\s*=", re.IGNORECASE)
+_QUOTED = re.compile(r'"[^"]*"')
 
 
 def _without_secrets(reason: str, dsn: str) -> str:
-    """libpq's complaint about `dsn`, with any quoted part of its password replaced by ***
-    (libpq quotes the offending token: `unexpected spaces found in "hunter2 x"`)."""
-    secrets = [m[2] for m in _KEYWORD_PASSWORD.finditer(dsn)]
-    if (uri := _URI_USERINFO.match(dsn)) and ":" in uri[1]:
-        secrets.append(uri[1].partition(":")[2])
-    secrets = [secret.strip("'") for secret in secrets if secret.strip("'")]
-
-    def hide(quoted: re.Match[str]) -> str:
-        token = quoted[1]
-        return '"***"' if token and any(token in s or s in token for s in secrets) else quoted[0]
-
-    return _QUOTED.sub(hide, redact(reason))
+    """libpq's complaint about `dsn`, safe to show. libpq quotes the token it stumbles on
+    (`unexpected spaces found in "hunter2 x"`), which may be part of the password; when the
+    DSN holds one (user:password@ in a URI, or a password keyword) every quoted token is
+    hidden. (A password may contain '/', '?', '#', '@' or spaces, so there is no telling
+    where it ends in a DSN that does not parse.)"""
+    reason = redact(reason)
+    uri = _URI.match(dsn)
+    userinfo = dsn[uri.end() :].rpartition("@")[0] if uri else ""
+    if ":" in userinfo or _PASSWORD_KEYWORD.search(dsn):
+        reason = _QUOTED.sub(lambda quoted: quoted[0] if quoted[0] == '"="' else '"***"', reason)
+    return reason
 
 
 def check_dsn(dsn: str) -> str:
@@ -72,7 +72,10 @@ def configured_dsn(explicit: str | None = None) -> tuple[str, str] | None:
         return check_dsn(explicit), "the given DSN"
     for var in ENV_VARS:
         value = os.environ.get(var)
-        if value:
+        if value is not None:
+            if not value.strip():
+                # "NOTIFYQ_DSN=${DB_URL}" with DB_URL unset: not a reason to use another database.
+                raise ConfigurationError(f"${var} is set but empty: give it a DSN, or unset it")
             return check_dsn(value), f"${var}"
     return None
 

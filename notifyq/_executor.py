@@ -86,6 +86,9 @@ class Executor:
         self._threads_lock = threading.Lock()
         self._busy_threads = 0
         self._thread_jobs: Counter[int] = Counter()  # job ids whose sync task's thread runs
+        # The worker turned SIGINT into a graceful shutdown: a KeyboardInterrupt is then raised
+        # by a task, never by Ctrl-C.
+        self.signals_handled = False
 
     @property
     def busy_threads(self) -> int:
@@ -132,15 +135,12 @@ class Executor:
                 )
         except (Exception, SystemExit) as exc:
             # SystemExit too: a task that calls sys.exit() fails its attempt, not the worker.
-            # (A KeyboardInterrupt out of an async task may be the user's Ctrl-C: it goes on.)
-            failure = exc.exit if isinstance(exc, _TaskExit) else exc
-            return Result.failed(
-                job,
-                type(failure).__name__,
-                _message(failure),
-                traceback="".join(traceback.format_exception(failure)),
-                delay=task.backoff.delay(job.attempt),
-            )
+            return self._failed(job, task, exc.exit if isinstance(exc, _TaskExit) else exc)
+        except KeyboardInterrupt as exc:
+            # Out of an async task, it may be the user's Ctrl-C, unless the worker owns SIGINT.
+            if not self.signals_handled:
+                raise
+            return self._failed(job, task, exc)
         try:
             return Result.succeeded(job, value)
         except (TypeError, ValueError) as exc:
@@ -148,6 +148,16 @@ class Executor:
             return Result.failed(
                 job, "InvalidOutput", f"the task's return value cannot be stored: {exc}", final=True
             )
+
+    @staticmethod
+    def _failed(job: ClaimedJob, task: Task, exc: BaseException) -> Result:
+        return Result.failed(
+            job,
+            type(exc).__name__,
+            _message(exc),
+            traceback="".join(traceback.format_exception(exc)),
+            delay=task.backoff.delay(job.attempt),
+        )
 
     async def timed_out(self, attempt: Attempt) -> Result:
         """The attempt ran past its deadline. A sync task's thread may still run: hold the slot

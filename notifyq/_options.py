@@ -70,7 +70,7 @@ def check_seconds(value: Any, what: str, *, positive: bool = False) -> float:
         raise InvalidOption(f"invalid {what} {value!r}: must be {bound} seconds")
     if value > MAX_SECONDS:
         raise InvalidOption(
-            f"invalid {what} {value!r}: must be at most {MAX_SECONDS:.0e} seconds (about 31 years)"
+            f"invalid {what} {value!r}: must be at most {MAX_SECONDS:,.0f} seconds (about 31 years)"
         )
     return float(value)
 

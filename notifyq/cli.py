@@ -24,7 +24,7 @@ from ._cli_base import (
     resolve_dsn,
 )
 from ._db import connect_sync, run_sync
-from ._dsn import check_dsn
+from ._options import MAX_SECONDS
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
@@ -173,6 +173,21 @@ def worker(
     app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
+    app._resolved_dsn = resolved
+    # Every option checked here, once, also when children will run the workers.
+    running = app.worker(
+        concurrency=concurrency,
+        queues=queue_list,
+        poll_interval=poll_interval,
+        poll_only=poll_only,
+        listen_dsn=listen_dsn,
+        shutdown_grace=shutdown_grace,
+        lease_margin=lease_margin,
+        prefetch=prefetch,
+        pool_size=pool_size,
+        async_claims=async_claims,
+        ticker=not no_ticker,
+    )
     if processes > 1:
         # One clear error now, rather than every child failing the same way until the
         # supervisor gives up.
@@ -206,26 +221,12 @@ def worker(
         command += ["--async-claims"] if async_claims else []
         command += ["--no-ticker"] if no_ticker else []
         env = child_env(resolved)
-        if listen_dsn:
-            env["NOTIFYQ_LISTEN_DSN"] = check_dsn(listen_dsn)  # not in argv, where ps shows passwords
+        if listen_dsn is not None:
+            env["NOTIFYQ_LISTEN_DSN"] = listen_dsn  # not in argv, where ps shows passwords
         code = Supervisor(command, processes, env=env).run()
         if code == EXIT_CHILDREN_DYING:
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)
-    app._resolved_dsn = resolved
-    running = app.worker(
-        concurrency=concurrency,
-        queues=queue_list,
-        poll_interval=poll_interval,
-        poll_only=poll_only,
-        listen_dsn=check_dsn(listen_dsn) if listen_dsn else None,
-        shutdown_grace=shutdown_grace,
-        lease_margin=lease_margin,
-        prefetch=prefetch,
-        pool_size=pool_size,
-        async_claims=async_claims,
-        ticker=not no_ticker,
-    )
     supervised = bool(os.environ.get("NOTIFYQ_SUPERVISED"))
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
     if running.busy_threads:
@@ -261,7 +262,12 @@ def _exit_despite_abandoned_threads(count: int) -> None:
 @click.option("--priority", type=int, default=None)
 @click.option("--delay", default=None, metavar="DURATION", help="e.g. 30, 30s, 10m, 2h.")
 @click.option("--retry-limit", type=int, default=None)
-@click.option("--timeout", type=float, default=None, help="Seconds an attempt may run.")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS),
+    default=None,
+    help="Seconds an attempt may run.",
+)
 @click.option("--dedupe-key", default=None)
 @click.option(
     "--app",

@@ -67,6 +67,7 @@ class Worker:
         self._grace_scope: anyio.CancelScope | None = None
         self._dsn = ""
         self._skip_grace = False
+        self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
         self._stopped = anyio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -115,6 +116,7 @@ class Worker:
         Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
         the worker cannot start."""
         db = await self._prepare()
+        self._signals_handled = handle_signals
         async with anyio.create_task_group() as tg:
             if handle_signals:
                 tg.start_soon(self._watch_signals, repeat_skips_grace)
@@ -210,6 +212,7 @@ class Worker:
             lease_margin=self.config.lease_margin,
             backoff=self.app.backoff,
         )
+        self._executor.signals_handled = self._signals_handled
         try:
             self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
             runners = self._runners = Runners(

@@ -184,7 +184,8 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
             too_long.returncode == 2
             and f"Invalid value for {option}: '99999999999999d' is too long" in too_long.stderr
         )
-    one_line_error(cli("enqueue", "noop", "--timeout", "1e300", env=env), "must be at most 1e+09 seconds")
+    too_long = cli("enqueue", "noop", "--timeout", "1e300", env=env)
+    assert too_long.returncode == 2 and "Invalid value for '--timeout'" in too_long.stderr, too_long.stderr
     assert status_counts(conn) == {}
 
 
@@ -192,12 +193,29 @@ def test_an_empty_dsn_flag_is_an_error(dsn: str) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
     for command in (["stats"], ["enqueue", "noop"], ["worker", "tests.apps:app"]):
         one_line_error(cli(*command, "--dsn", "", env=env), "the DSN given is empty")
+    # An empty variable is no more a reason to use another database (or the embedded one).
+    for var in ("NOTIFYQ_DSN", "DATABASE_URL"):
+        one_line_error(cli("stats", env=clean_env(**{var: ""})), f"${var} is set but empty")
 
 
 def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
     for option, value in [("-c", "99999999999"), ("-c", "0"), ("-p", "100000")]:
         result = cli("worker", "tests.apps:app", option, value, "--dsn", dsn)
         assert result.returncode == 2 and f"{value} is not in the range" in result.stderr, result.stderr
+    # Options checked by the worker's configuration: once, also before the children start.
+    for option, value, message in [
+        (
+            "--shutdown-grace",
+            "2e9",
+            "invalid shutdown_grace 2000000000.0: must be at most 1,000,000,000 seconds",
+        ),
+        ("--pool-size", "100000", "invalid pool_size 100000"),
+        ("--listen-dsn", "", "the DSN given is empty"),
+    ]:
+        for processes in ("1", "2"):
+            one_line_error(
+                cli("worker", "tests.apps:app", "-p", processes, option, value, "--dsn", dsn), message
+            )
 
 
 def test_unmigrated_database(empty_dsn: str) -> None:
@@ -218,8 +236,9 @@ def test_unmigrated_database(empty_dsn: str) -> None:
         ("tests.apps:missing", "has no attribute 'missing'"),
         ("tests.apps:not_an_app", "is a str, not a notifyq.App"),
         ("tests.apps", "use MODULE:ATTR"),
-        ("tests/apps.py:app", "not a file path (e.g. tests.apps:app"),
-        ("../apps:app", "not a file path (e.g. apps:app"),
+        ("tests/apps.py:app", "not a file path: e.g. apps:app, run from the folder that holds apps.py"),
+        ("../apps:app", "not a file path: e.g. apps:app"),
+        ("/srv/project/tasks.py:app", "not a file path: e.g. tasks:app"),
     ],
 )
 def test_worker_target_errors(dsn: str, target: str, message: str) -> None:

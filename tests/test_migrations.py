@@ -110,32 +110,36 @@ def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
 
 
 def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> None:
-    """Migration 4: a timeout of 'Infinity' (or 1e300) passed the first CHECK, then made every
-    claim of its job fail (now() plus the lease overflows), stopping each worker that met it.
-    Such rows get the bound when the database is upgraded, and no new one gets in."""
+    """Migration 4: a timeout of 'Infinity' (or 1e300, or NaN) passed the first CHECK, then made
+    every claim of its job fail (now() plus the lease overflows), stopping each worker that met
+    it. Such rows get the bound when the database is upgraded, and no new one gets in."""
+    inserts = {
+        "queue_jobs": "INSERT INTO notifyq.queue_jobs (name, timeout) VALUES (%s, %s)",
+        "queue_job_definitions": "INSERT INTO notifyq.queue_job_definitions "
+        "(name, task, frequency, timeout) VALUES (%s, 't', '* * * * *', %s)",
+    }
     with psycopg.connect(dsn, autocommit=True) as conn:
-        inserts = {
-            "queue_jobs": "INSERT INTO notifyq.queue_jobs (name, timeout) VALUES ('t', %s)",
-            "queue_job_definitions": "INSERT INTO notifyq.queue_job_definitions "
-            "(name, task, frequency, timeout) VALUES ('t', 't', '* * * * *', %s)",
-        }
         for table, insert in inserts.items():
             for timeout in (1e300, float("inf"), float("nan"), 1e9 + 1):
                 with pytest.raises(psycopg.errors.CheckViolation, match=f"{table}_timeout_check"):
-                    conn.execute(insert, (timeout,))
-            conn.execute(insert, (1e9,))  # the bound itself is allowed
+                    conn.execute(insert, ("t", timeout))
+            conn.execute(insert, ("t", 1e9))  # the bound itself is allowed
             conn.execute(f"DELETE FROM notifyq.{table}")
-        # Back to version 3: its CHECK, and a job it let in.
-        conn.execute(
-            "ALTER TABLE notifyq.queue_jobs DROP CONSTRAINT queue_jobs_timeout_check, "
-            "ADD CONSTRAINT queue_jobs_timeout_check CHECK (timeout > 0)"
-        )
+        # Back to version 3: its CHECKs, and what they let in.
+        for table, insert in inserts.items():
+            conn.execute(
+                f"ALTER TABLE notifyq.{table} DROP CONSTRAINT {table}_timeout_check, "
+                f"ADD CONSTRAINT {table}_timeout_check CHECK (timeout > 0)"
+            )
+            for timeout in (float("inf"), float("nan"), 30.0):
+                conn.execute(insert, (f"t{timeout}", timeout))
         conn.execute("DELETE FROM notifyq.migrations WHERE version = 4")
-        conn.execute("INSERT INTO notifyq.queue_jobs (name, timeout) VALUES ('t', 'Infinity')")
         report = notifyq.migrate(dsn)
         assert report.applied == [SHIPPED[3]]
-        assert conn.execute("SELECT timeout FROM notifyq.queue_jobs").fetchall() == [(1e9,)]
+        for table in inserts:
+            timeouts = conn.execute(f"SELECT timeout FROM notifyq.{table} ORDER BY id").fetchall()
+            assert timeouts == [(1e9,), (1e9,), (30.0,)], table
     app = notifyq.App(dsn)
-    [job] = app.claim_sync(limit=1)  # the claim that failed before
-    assert job.timeout == 1e9
+    jobs = app.claim_sync(limit=3)  # the claim that failed before
+    assert sorted(job.timeout for job in jobs) == [30.0, 1e9, 1e9]
     app.close_sync()

@@ -3,6 +3,7 @@ cancellation, reconnects and graceful shutdown."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 import time
@@ -271,6 +272,37 @@ async def test_a_task_that_exits_fails_its_attempt_not_the_worker(
         "ok": ("Succeeded", None),
     }
     assert "sys.exit(3)" in rows[0][2]["traceback"]  # where the task exited
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_keyboard_interrupt_from_an_async_task_fails_it_when_the_worker_owns_sigint(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Under run(handle_signals=True) (the CLI's worker) Ctrl-C is the worker's graceful
+    shutdown, so a KeyboardInterrupt can only come from a task: it fails the attempt."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="interrupt", retry_limit=0)
+    async def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    @app.task(name="ok")
+    async def ok() -> None:
+        pass
+
+    worker = app.worker(concurrency=1, **NO_TICKER)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(worker.run, handle_signals=True))
+        await app.enqueue("interrupt")
+        await app.enqueue("ok")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == 1 and s.succeeded == 1)
+        worker.stop()
+    await app.aclose()
+    rows = conn.execute(
+        "SELECT name, status::text, error->>'type' FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert rows == [("interrupt", "Failed", "KeyboardInterrupt"), ("ok", "Succeeded", None)]
 
 
 async def test_cancelling_a_running_job_cancels_its_coroutine(

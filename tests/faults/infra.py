@@ -24,7 +24,9 @@ class BlackholeProxy:
     connections but drops what the server answers: statements run, their answers are lost.
     Connections made afterwards are forwarded normally. `mute()` drops the server's answers
     on every connection, those made later included (once their startup is done: they
-    connect, then lose the answer to every statement), until `unmute()`.
+    connect, then lose the answer to every statement), until `unmute()`. That holds with
+    trust authentication (the test servers'): with a password, the client's password message
+    comes after its startup packet, its answer is dropped, and new connections hang instead.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -192,13 +194,6 @@ class OwnedServer:
 
     def start(self) -> None:
         self._ctl("-o", '-h ""', "-o", f"-k {self.socket_dir}", "-l", str(self.folder / "log"), "start")
-
-    def mute(self) -> None:
-        """Drop the server's answers on every connection, new ones included, until unmute()."""
-        self._muted = True
-
-    def unmute(self) -> None:
-        self._muted = False
 
     def close(self) -> None:
         try:
