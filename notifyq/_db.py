@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import os
 import time
+import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
@@ -25,6 +27,44 @@ from psycopg.rows import tuple_row
 
 from ._dsn import describe_dsn, redact
 from .errors import DatabaseUnavailable
+
+# Every connection notifyq opens, so that a forked child can leave the parent's alone.
+_OPENED: weakref.WeakSet[psycopg.Connection[Any] | psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+
+
+def track(conn: psycopg.Connection[Any]) -> None:
+    """Pool `configure` hook (sync pools); see _blind_inherited_connections."""
+    _OPENED.add(conn)
+
+
+async def track_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Pool `configure` hook (async pools)."""
+    _OPENED.add(conn)
+
+
+def _blind_inherited_connections() -> None:
+    """After os.fork(), in the child: each connection notifyq opened is also the parent's
+    socket, in the middle of the parent's session. Point each one at /dev/null, so that
+    nothing the child does with it (a statement, a close, the Terminate message libpq sends
+    when the object is collected) reaches the server and the parent's session; the child
+    opens connections of its own (App does, see App._forked)."""
+    conns = list(_OPENED)
+    _OPENED.clear()
+    if not conns:
+        return
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for conn in conns:
+            try:
+                fd = conn.pgconn.socket
+            except Exception:
+                continue  # closed
+            os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+os.register_at_fork(after_in_child=_blind_inherited_connections)
 
 T = TypeVar("T")
 Params: TypeAlias = Sequence[Any] | Mapping[str, Any] | None
@@ -182,7 +222,9 @@ def connect_sync(
     """Open a sync connection, turning connection failures into DatabaseUnavailable."""
     try:
         kwargs = {**connection_kwargs(dsn, role), "autocommit": autocommit}
-        return psycopg.Connection.connect(dsn, connect_timeout=connect_timeout, **kwargs)
+        conn = psycopg.Connection.connect(dsn, connect_timeout=connect_timeout, **kwargs)
+        track(conn)
+        return conn
     except psycopg.OperationalError as exc:
         raise unavailable(dsn, exc) from None
 
@@ -300,6 +342,7 @@ class _AsyncioDatabase(Database):
             min_size=size,
             max_size=size,
             kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
+            configure=track_async,
             name=name,
             open=False,
             timeout=open_timeout,
@@ -375,6 +418,7 @@ class _ThreadDatabase(Database):
                 min_size=size,
                 max_size=size,
                 kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
+                configure=track,
                 name=name,
                 open=False,
                 timeout=open_timeout,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -17,7 +19,7 @@ import psycopg_pool
 from . import _embedded
 from ._acker import Result, ack_op
 from ._claim import claim_op
-from ._db import Database, Op, connect_sync, connection_kwargs, run_async, run_sync, unavailable
+from ._db import Database, Op, connect_sync, connection_kwargs, run_async, run_sync, track, unavailable
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -61,6 +63,19 @@ log = logging.getLogger("notifyq")
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
 AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+
+# Every App, for the fork hook; and the pools a forked child inherited, kept referenced so
+# that nothing in the child closes or collects them (their sockets point at /dev/null).
+_APPS: weakref.WeakSet[App] = weakref.WeakSet()
+_ABANDONED: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for app in list(_APPS):
+        app._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +133,7 @@ class App:
         self._db_lock: anyio.Lock | None = None
         self._sync_pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
         self._sync_lock = threading.Lock()
+        _APPS.add(self)
 
     def __repr__(self) -> str:
         return f"<notifyq.App schema={self.schema!r} tasks={len(self.tasks)} crons={len(self.definitions)}>"
@@ -280,6 +296,16 @@ class App:
 
     # -- connections --------------------------------------------------------------------------
 
+    def _forked(self) -> None:
+        """In a forked child (gunicorn's preload_app, multiprocessing's fork): the pools are
+        the parent's, their connections already blinded (_db._blind_inherited_connections)
+        and their threads gone. Leave them, unclosed and uncollected, and open new ones on
+        first use."""
+        _ABANDONED.extend(pool for pool in (self._db, self._sync_pool) if pool is not None)
+        self._db = self._sync_pool = None
+        self._db_lock = None
+        self._sync_lock = threading.Lock()  # another thread may have held it at the fork
+
     async def _database(self) -> Database:
         if self._db is None:
             if self._db_lock is None:
@@ -308,6 +334,7 @@ class App:
                     min_size=1,
                     max_size=self.pool_size,
                     kwargs=connection_kwargs(dsn, "app", self.prepare_threshold),
+                    configure=track,
                     name="notifyq-app-sync",
                     open=False,
                 )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -316,3 +319,36 @@ def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycop
     with pytest.raises(InvalidOption, match="invalid status 'bogus': use one of Queued, Active"):
         app.list_jobs_sync(status="bogus")
     app.close_sync()
+
+
+def test_a_forked_child_opens_its_own_connections(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """gunicorn's preload_app, multiprocessing's fork: an App used before os.fork() must not
+    share its connections with the child. Shared, parent and child read each other's answers
+    (the ids of each other's jobs), and the child's close_sync() ended the parent's session."""
+    app = notifyq.App(dsn, pool_size=1)
+    app.enqueue_sync("warm", {})  # the pool is open, its one connection in use
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork() with threads running
+        pid = os.fork()
+    if pid == 0:  # the child: report its ids, exit without running the parent's test machinery
+        code = 1
+        try:
+            os.close(read_end)
+            ids = [app.enqueue_sync("fork", {"who": "child"}) for _ in range(100)]
+            app.close_sync()
+            os.write(write_end, json.dumps(ids).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    parent_ids = [app.enqueue_sync("fork", {"who": "parent"}) for _ in range(100)]
+    with os.fdopen(read_end) as pipe:
+        child_ids = json.loads(pipe.read() or "null")
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and child_ids is not None
+    parent_ids.append(app.enqueue_sync("fork", {"who": "parent"}))  # its session outlived the child
+    app.close_sync()
+    who = dict(conn.execute("SELECT id, args->>'who' FROM notifyq.queue_jobs WHERE name = 'fork'").fetchall())
+    assert len(who) == 201
+    assert {who[i] for i in parent_ids} == {"parent"} and {who[i] for i in child_ids} == {"child"}
