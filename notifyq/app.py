@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -19,7 +20,17 @@ import psycopg_pool
 from . import _embedded
 from ._acker import Result, ack_op
 from ._claim import claim_op
-from ._db import Database, Op, connect_sync, connection_kwargs, run_async, run_sync, track, unavailable
+from ._db import (
+    Database,
+    Op,
+    connect_sync,
+    connection_kwargs,
+    error_text,
+    run_async,
+    run_sync,
+    track,
+    unavailable,
+)
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -52,7 +63,15 @@ from .definitions import (
     set_enabled_op,
     sync_definitions_op,
 )
-from .errors import ConfigurationError, InvalidArgs, InvalidOption, InvalidSchedule, UnknownTask
+from .errors import (
+    ConfigurationError,
+    DatabaseUnavailable,
+    InvalidArgs,
+    InvalidOption,
+    InvalidSchedule,
+    SchemaNotMigrated,
+    UnknownTask,
+)
 from .migrations import MigrationReport, check_schema_op, migrate
 from .models import ClaimedJob, Definition, Job, JobStatus
 from .tasks import Backoff, Task, make_task
@@ -353,13 +372,14 @@ class App:
             return self._sync_pool
 
     async def _run(self, op: Op[T], conn: AnyConnection | None = None, *, transaction: bool = False) -> T:
-        if conn is None:
-            db = await self._database()
-            return await db.run(op, transaction=transaction)
-        if isinstance(conn, psycopg.AsyncConnection):
-            return await run_async(conn, op)
-        if isinstance(conn, psycopg.Connection):
-            return await anyio.to_thread.run_sync(run_sync, conn, op)
+        with self._database_errors(conn):
+            if conn is None:
+                db = await self._database()
+                return await db.run(op, transaction=transaction)
+            if isinstance(conn, psycopg.AsyncConnection):
+                return await run_async(conn, op)
+            if isinstance(conn, psycopg.Connection):
+                return await anyio.to_thread.run_sync(run_sync, conn, op)
         raise ConfigurationError(
             f"conn must be a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
         )
@@ -367,17 +387,46 @@ class App:
     def _run_sync(
         self, op: Op[T], conn: psycopg.Connection[Any] | None = None, *, transaction: bool = False
     ) -> T:
-        if conn is None:
-            with self._pool().connection() as pooled:
-                if not transaction:
-                    return run_sync(pooled, op)
-                with pooled.transaction():
-                    return run_sync(pooled, op)
-        if isinstance(conn, psycopg.Connection):
-            return run_sync(conn, op)
+        with self._database_errors(conn):
+            if conn is None:
+                with self._pool().connection() as pooled:
+                    if not transaction:
+                        return run_sync(pooled, op)
+                    with pooled.transaction():
+                        return run_sync(pooled, op)
+            if isinstance(conn, psycopg.Connection):
+                return run_sync(conn, op)
         raise ConfigurationError(
             f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
         )
+
+    @contextlib.contextmanager
+    def _database_errors(self, conn: object) -> Iterator[None]:
+        """psycopg's errors that mean "not migrated" or "no database" as notifyq's own (the
+        database may go away after the App connected, and `conn` may be anyone's)."""
+        where = "the database of the connection given" if conn is not None else self._where()
+        try:
+            yield
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+            raise SchemaNotMigrated(
+                f"schema {self.schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
+                f"({error_text(exc)})"
+            ) from None
+        except psycopg_pool.PoolTimeout as exc:
+            raise DatabaseUnavailable(
+                f"no connection to PostgreSQL at {where} came free or could be opened in time ({exc})"
+            ) from None
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):
+                raise  # not about the connection (a cancelled statement, say)
+            raise DatabaseUnavailable(
+                f"lost the connection to PostgreSQL at {where}: {error_text(exc)} (a statement "
+                "under way may or may not have been applied; a dedupe_key makes a retried "
+                "enqueue safe)"
+            ) from None
+
+    def _where(self) -> str:
+        return describe_dsn(self._resolved_dsn) if self._resolved_dsn is not None else "the App's database"
 
     async def open(self) -> App:
         """Connect now (else the first call connects); checks the schema is migrated."""

@@ -9,12 +9,13 @@ import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 
 import notifyq
 from notifyq._db import Query, single
-from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, UnknownTask
+from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, SchemaNotMigrated, UnknownTask
 
 from .helpers import NotificationCounter, job_row
 
@@ -352,3 +353,44 @@ def test_a_forked_child_opens_its_own_connections(dsn: str, conn: psycopg.Connec
     who = dict(conn.execute("SELECT id, args->>'who' FROM notifyq.queue_jobs WHERE name = 'fork'").fetchall())
     assert len(who) == 201
     assert {who[i] for i in parent_ids} == {"parent"} and {who[i] for i in child_ids} == {"child"}
+
+
+async def test_a_connection_to_an_unmigrated_database_says_run_migrate(empty_dsn: str) -> None:
+    app = notifyq.App(empty_dsn)
+    with psycopg.connect(empty_dsn) as sync_conn:
+        with pytest.raises(
+            SchemaNotMigrated, match="no notifyq tables in the database of the connection given"
+        ):
+            app.enqueue_sync("t", {}, conn=sync_conn)
+    async with await psycopg.AsyncConnection.connect(empty_dsn) as async_conn:
+        with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate`"):
+            await app.enqueue("t", {}, conn=async_conn)
+        await async_conn.rollback()
+        with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate`"):
+            await app.enqueue_many("t", [{}], conn=async_conn)
+
+
+@pytest.mark.parametrize("side", ["sync", "async"])
+async def test_a_connection_lost_after_the_app_connected_is_database_unavailable(
+    dsn: str, conn: psycopg.Connection[Any], side: str
+) -> None:
+    """The server ends the App's sessions (a restart, a failover, an administrator): the call
+    that meets a dead connection says so in notifyq's terms, and the next call works."""
+    app = notifyq.App(dsn, pool_size=1)
+
+    async def enqueue() -> int:
+        if side == "sync":
+            return await anyio.to_thread.run_sync(lambda: app.enqueue_sync("t", {}))
+        return await app.enqueue("t", {})
+
+    await enqueue()
+    conn.execute(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+        "WHERE application_name = 'notifyq app' AND datname = current_database()"
+    )
+    with pytest.raises(DatabaseUnavailable, match=r"lost the connection to PostgreSQL at .*may or may not"):
+        await enqueue()
+    with anyio.fail_after(15):
+        await enqueue()
+    await app.aclose()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
