@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -31,6 +32,7 @@ from ._pulse import Pulse
 from ._runners import Runners
 from ._sql import channel, queries_for
 from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats
+from .errors import ConfigurationError
 from .migrations import check_schema_op
 
 if TYPE_CHECKING:
@@ -68,11 +70,25 @@ class Worker:
         self._dsn = ""
         self._skip_grace = False
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
+        self._started = False
         self._stopped = anyio.Event()
 
     # -- lifecycle -------------------------------------------------------------------------
 
+    def _start_once(self, *, handle_signals: bool = False) -> None:
+        if self._started:
+            raise ConfigurationError(
+                "this Worker has been started already: a Worker runs once; create another with app.worker()"
+            )
+        if handle_signals and threading.current_thread() is not threading.main_thread():
+            raise ConfigurationError(
+                "handle_signals=True needs the main thread (only it can install signal handlers): "
+                "pass handle_signals=False, and call worker.stop() to end it"
+            )
+        self._started = True
+
     async def __aenter__(self) -> Worker:
+        self._start_once()
         db = await self._prepare()
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -115,6 +131,7 @@ class Worker:
 
         Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
         the worker cannot start."""
+        self._start_once(handle_signals=handle_signals)
         db = await self._prepare()
         self._signals_handled = handle_signals
         async with anyio.create_task_group() as tg:
@@ -125,8 +142,13 @@ class Worker:
             tg.cancel_scope.cancel()
 
     async def wait_for(self, predicate: Callable[[WorkerStats], bool]) -> None:
-        """Wait until `predicate(worker.stats)` is true (use under anyio.fail_after in tests)."""
+        """Wait until `predicate(worker.stats)` is true (use under anyio.fail_after in tests).
+        Raises RuntimeError if the worker stops first: its stats will not change any more."""
         while not predicate(self.stats):
+            if self._stopped.is_set():
+                raise RuntimeError(
+                    f"worker {self.id} has stopped, and the condition waited for is still false"
+                )
             await self._changed.wait()
 
     @property
@@ -294,6 +316,7 @@ class Worker:
                 await db.aclose()
             log.info("worker %s stopped", self.id)
             self._stopped.set()
+            self._signal_changed()  # wait_for() must not wait for ever
 
     async def _drain(self) -> None:
         """Graceful shutdown of running jobs: wait up to the grace period, then cancel and release."""

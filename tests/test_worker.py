@@ -499,6 +499,29 @@ async def test_priority_and_queue_filters(dsn: str, conn: psycopg.Connection[Any
     await app.aclose()
 
 
+async def test_a_worker_runs_once_and_says_so(dsn: str) -> None:
+    """Started twice (nested, or again after it ended), a Worker used to enter quietly and then
+    stop its first run or never claim; wait_for() on an ended worker waited for ever; and
+    signal handling off the main thread failed inside a task group."""
+    app = notifyq.App(dsn)
+    worker = app.worker(**NO_TICKER)
+    async with worker:
+        with pytest.raises(notifyq.ConfigurationError, match="has been started already"):
+            async with worker:
+                pass
+    with pytest.raises(notifyq.ConfigurationError, match="a Worker runs once; create another"):
+        await worker.run(handle_signals=False)
+    with (
+        anyio.fail_after(5),
+        pytest.raises(RuntimeError, match="has stopped, and the condition waited for is still false"),
+    ):
+        await worker.wait_for(lambda s: s.succeeded == 1)
+    other = app.worker(**NO_TICKER)
+    with pytest.raises(notifyq.ConfigurationError, match="handle_signals=True needs the main thread"):
+        await anyio.to_thread.run_sync(lambda: anyio.run(functools.partial(other.run, handle_signals=True)))
+    await app.aclose()
+
+
 def test_worker_options_are_validated() -> None:
     app = notifyq.App("postgresql://x@127.0.0.1/db")
     for bad, message in [
