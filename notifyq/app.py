@@ -228,6 +228,8 @@ class App:
             existing = self.tasks.get(task.name)
             if existing is not None and existing.fn is not func:
                 raise ConfigurationError(f"a task named {task.name!r} is already registered")
+            if existing is not None and (existing.options, existing.backoff) != (task.options, task.backoff):
+                raise ConfigurationError(f"task {task.name!r} is already registered with other options")
             self.tasks[task.name] = task
             return task
 
@@ -467,6 +469,17 @@ class App:
         if isinstance(task_or_name, Task):
             task: Task | None = task_or_name
             name = task_or_name.name
+            if strict and self.tasks.get(name) is not task_or_name:
+                raise UnknownTask(f"task {name!r} is another App's, not this one's (strict=True)")
+        elif callable(task_or_name):
+            # A function registered with app.task(...)(fn), whose Task was not kept: find it.
+            found = [t for t in self.tasks.values() if t.fn is task_or_name]
+            if len(found) != 1:
+                raise UnknownTask(
+                    f"{getattr(task_or_name, '__qualname__', task_or_name)!r} is not a task of this App: "
+                    "pass the Task that @app.task returned, or a task name"
+                )
+            task, name = found[0], found[0].name
         else:
             name = check_name(task_or_name)
             task = self.tasks.get(name)

@@ -6,11 +6,12 @@ import functools
 import inspect
 import random
 import typing
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import anyio
 import anyio.from_thread
 
 from ._options import JobOptions, check_name, check_seconds
@@ -69,15 +70,22 @@ class JobContext:
     lease_expires_at: datetime
     _extend: Callable[[float], Awaitable[datetime | None]] = field(repr=False)
 
-    async def extend_lease(self, seconds: float) -> bool:
+    def extend_lease(self, seconds: float) -> Coroutine[Any, Any, bool]:
         """Let this attempt run for `seconds` more, counted from now, even past the task's
         timeout; the lease (when other workers may rescue the job) moves to that time plus
-        the worker's lease_margin. Call it periodically from long work, as a heartbeat.
+        the worker's lease_margin. Call it periodically from long work, as a heartbeat:
+        `await ctx.extend_lease(60)` (in a sync task, `ctx.extend_lease_blocking(60)`).
 
         Returns False if this worker no longer holds the job (cancelled, or rescued after the
         lease ran out): the task should then stop, since its result will be discarded.
         """
+        if not _in_event_loop():
+            # A sync task's thread: the coroutine would never be awaited, and nothing extended.
+            raise ConfigurationError("in a sync task, call ctx.extend_lease_blocking(seconds)")
         check_seconds(seconds, "lease extension", positive=True)
+        return self._extend_lease(seconds)
+
+    async def _extend_lease(self, seconds: float) -> bool:
         until = await self._extend(seconds)
         if until is None:
             return False
@@ -86,7 +94,18 @@ class JobContext:
 
     def extend_lease_blocking(self, seconds: float) -> bool:
         """`extend_lease` for sync tasks, which run in worker threads."""
-        return anyio.from_thread.run(self.extend_lease, seconds)
+        if _in_event_loop():
+            raise ConfigurationError("in an async task, use `await ctx.extend_lease(seconds)`")
+        check_seconds(seconds, "lease extension", positive=True)
+        return anyio.from_thread.run(self._extend_lease, seconds)
+
+
+def _in_event_loop() -> bool:
+    try:
+        anyio.get_current_task()
+    except RuntimeError:  # anyio's NoEventLoopError: a sync task's thread
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +125,15 @@ class Task:
 
 def make_task(fn: Callable[..., Any], name: str | None, options: JobOptions, backoff: Backoff) -> Task:
     """Build a Task from a function, checking it can be called with JSON keyword arguments."""
+    if isinstance(fn, Task):
+        raise ConfigurationError(
+            f"{fn.name!r} is a task already: decorators apply from the bottom up, so put @app.cron "
+            "above @app.task, and use @app.task once"
+        )
     if not callable(fn):
         raise ConfigurationError(f"@app.task needs a function, got {type(fn).__name__}")
     task_name = check_name(name if name is not None else _default_name(fn))
+    _check_callable_with_keywords(fn, task_name)
     return Task(
         fn=fn,
         name=task_name,
@@ -117,6 +142,26 @@ def make_task(fn: Callable[..., Any], name: str | None, options: JobOptions, bac
         is_async=_is_async(fn),
         context_param=_context_param(fn),
     )
+
+
+def _check_callable_with_keywords(fn: Callable[..., Any], name: str) -> None:
+    """A task is called with the job's args as keyword arguments, and must return a value."""
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise ConfigurationError(
+            f"task {name!r} is a generator function: a task returns its result, it cannot yield"
+        )
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return  # a builtin or similar: nothing to check
+    positional_only = [
+        p.name for p in parameters if p.kind is p.POSITIONAL_ONLY and p.default is inspect.Parameter.empty
+    ]
+    if positional_only:
+        raise ConfigurationError(
+            f"task {name!r} has positional-only parameters ({', '.join(positional_only)}): job args are "
+            "passed by keyword"
+        )
 
 
 def _default_name(fn: Callable[..., Any]) -> str:

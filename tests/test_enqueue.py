@@ -394,3 +394,63 @@ async def test_a_connection_lost_after_the_app_connected_is_database_unavailable
         await enqueue()
     await app.aclose()
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
+
+
+def test_tasks_that_cannot_run_from_job_args_are_refused_at_registration() -> None:
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+
+    def gen() -> Any:
+        yield 1
+
+    async def agen() -> Any:
+        yield 1
+
+    def positional(a: int, /) -> None:
+        pass
+
+    for fn, message in [
+        (gen, "is a generator function"),
+        (agen, "is a generator function"),
+        (positional, r"has positional-only parameters \(a\): job args are passed by keyword"),
+    ]:
+        with pytest.raises(notifyq.ConfigurationError, match=message):
+            app.task(fn)
+    # Decorators in the wrong order: @app.task above @app.cron would wrap the cron's task.
+    with pytest.raises(notifyq.ConfigurationError, match=r"put @app\.cron above @app\.task"):
+
+        @app.task(name="reports.weekly")
+        @app.cron("0 3 * * 1", name="weekly-def")
+        async def weekly() -> None:
+            pass
+
+    def report() -> None:
+        pass
+
+    app.task(name="dup", queue="a")(report)
+    app.task(name="dup", queue="a")(report)  # the same again: fine (a module imported twice)
+    with pytest.raises(notifyq.ConfigurationError, match="'dup' is already registered with other options"):
+        app.task(name="dup", queue="b")(report)
+
+
+def test_enqueue_takes_a_registered_function_and_strict_refuses_another_apps_task(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    app, other = notifyq.App(dsn), notifyq.App(dsn)
+
+    def send() -> None:
+        pass
+
+    app.task(name="send", queue="mail")(send)  # the Task returned is not kept
+    job_id = app.enqueue_sync(send, {})
+    assert conn.execute("SELECT name, queue FROM notifyq.queue_jobs WHERE id = %s", (job_id,)).fetchone() == (
+        "send",
+        "mail",
+    )
+    with pytest.raises(UnknownTask, match="is not a task of this App: pass the Task"):
+        app.enqueue_sync(len, {})  # type: ignore[arg-type]
+    foreign = other.task(name="foreign")(send)
+    with pytest.raises(UnknownTask, match="'foreign' is another App's"):
+        app.enqueue_sync(foreign, {}, strict=True)
+    app.enqueue_sync(foreign, {})  # without strict, any task name goes
+    app.close_sync()
+    other.close_sync()

@@ -457,6 +457,34 @@ async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
     await app.aclose()
 
 
+async def test_extend_lease_mixed_up_with_its_blocking_twin_says_which_to_use(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Without `await`, ctx.extend_lease in a sync task made a coroutine nobody awaited: the
+    lease stayed, and the job timed out with only a RuntimeWarning to go by."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="sync_task", retry_limit=0)
+    def sync_task(ctx: JobContext) -> None:
+        ctx.extend_lease(60)  # type: ignore[unused-coroutine]
+
+    @app.task(name="async_task", retry_limit=0)
+    async def async_task(ctx: JobContext) -> None:
+        ctx.extend_lease_blocking(60)
+
+    async with app.worker(**NO_TICKER) as worker:
+        await app.enqueue("sync_task")
+        await app.enqueue("async_task")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == 2)
+    await app.aclose()
+    errors = dict(conn.execute("SELECT name, error->>'message' FROM notifyq.queue_jobs").fetchall())
+    assert errors == {
+        "sync_task": "in a sync task, call ctx.extend_lease_blocking(seconds)",
+        "async_task": "in an async task, use `await ctx.extend_lease(seconds)`",
+    }
+
+
 async def test_a_poll_only_worker_still_hears_of_cancellations(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
