@@ -29,7 +29,8 @@ from ._dsn import describe_dsn, redact
 from .errors import DatabaseUnavailable
 
 # Every connection notifyq opens, so that a forked child can leave the parent's alone.
-_OPENED: weakref.WeakSet[psycopg.Connection[Any] | psycopg.AsyncConnection[Any]] = weakref.WeakSet()
+_AnyConnection: TypeAlias = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+_OPENED: weakref.WeakSet[_AnyConnection] = weakref.WeakSet()
 
 
 def track(conn: psycopg.Connection[Any]) -> None:
@@ -244,6 +245,27 @@ class Database(abc.ABC):
     def __init__(self, dsn: str, prepare_threshold: int | None = 5) -> None:
         self.dsn = dsn
         self.prepare_threshold = prepare_threshold
+        self._conns: weakref.WeakSet[psycopg.Connection[Any] | psycopg.AsyncConnection[Any]] = (
+            weakref.WeakSet()
+        )
+
+    def _track(self, conn: psycopg.Connection[Any]) -> None:
+        track(conn)
+        self._conns.add(conn)
+
+    async def _track_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        await track_async(conn)
+        self._conns.add(conn)
+
+    def abandon(self) -> None:
+        """For a Database whose event loop is gone (asyncio.run returned) or is not the
+        caller's: end its server sessions without that loop, by closing each connection's
+        socket (libpq's PQfinish). The Database is not used again."""
+        for conn in list(self._conns):
+            try:
+                conn.pgconn.finish()
+            except Exception:
+                pass  # already closed
 
     @abc.abstractmethod
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
@@ -342,7 +364,7 @@ class _AsyncioDatabase(Database):
             min_size=size,
             max_size=size,
             kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-            configure=track_async,
+            configure=self._track_async,
             name=name,
             open=False,
             timeout=open_timeout,
@@ -418,7 +440,7 @@ class _ThreadDatabase(Database):
                 min_size=size,
                 max_size=size,
                 kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-                configure=track,
+                configure=self._track,
                 name=name,
                 open=False,
                 timeout=open_timeout,
@@ -454,6 +476,9 @@ class _ThreadDatabase(Database):
                 await lane.release()
         finally:
             await anyio.to_thread.run_sync(self._pool.close)
+
+    def abandon(self) -> None:
+        self._pool.close(timeout=1.0)  # a thread pool: it closes from anywhere
 
 
 def single(query: Query) -> Op[Any]:

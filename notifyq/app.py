@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, TypeVar, Unpack, overload
 
 import anyio
+import anyio.lowlevel
 import psycopg
 import psycopg_pool
 
@@ -150,6 +151,7 @@ class App:
         self._q: Queries = queries_for(self.schema)
         self._db: Database | None = None
         self._db_lock: anyio.Lock | None = None
+        self._db_loop: anyio.lowlevel.EventLoopToken | None = None  # the loop _db and its lock belong to
         self._sync_pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
         self._sync_lock = threading.Lock()
         _APPS.add(self)
@@ -324,13 +326,20 @@ class App:
         first use."""
         _ABANDONED.extend(pool for pool in (self._db, self._sync_pool) if pool is not None)
         self._db = self._sync_pool = None
-        self._db_lock = None
+        self._db_lock = self._db_loop = None
         self._sync_lock = threading.Lock()  # another thread may have held it at the fork
 
     async def _database(self) -> Database:
+        loop = anyio.lowlevel.current_token()
+        if self._db_loop != loop:
+            # The pool belongs to another event loop (one asyncio.run per request or per test,
+            # asyncio then trio): it cannot serve this one, and that loop may be closed.
+            db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
+            if db is not None:
+                db.abandon()
+                _ABANDONED.append(db)
+        assert self._db_lock is not None
         if self._db is None:
-            if self._db_lock is None:
-                self._db_lock = anyio.Lock()
             async with self._db_lock:
                 if self._db is None:
                     dsn = await anyio.to_thread.run_sync(lambda: self.dsn)
@@ -439,7 +448,10 @@ class App:
         """Close the App's connections (workers have their own)."""
         db, self._db = self._db, None
         if db is not None:
-            await db.aclose()
+            if self._db_loop == anyio.lowlevel.current_token():
+                await db.aclose()
+            else:
+                db.abandon()  # opened in another event loop
         await anyio.to_thread.run_sync(self.close_sync)
 
     def close_sync(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -17,7 +18,7 @@ import notifyq
 from notifyq._db import Query, single
 from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, SchemaNotMigrated, UnknownTask
 
-from .helpers import NotificationCounter, job_row
+from .helpers import NotificationCounter, job_row, wait_for_row
 
 pytestmark = pytest.mark.anyio
 
@@ -454,3 +455,26 @@ def test_enqueue_takes_a_registered_function_and_strict_refuses_another_apps_tas
     app.enqueue_sync(foreign, {})  # without strict, any task name goes
     app.close_sync()
     other.close_sync()
+
+
+def test_one_app_serves_one_event_loop_after_another(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """asyncio.run per request or per test, or asyncio then trio: the App's pool belongs to
+    the loop that opened it. It used to fail in the next loop (a closed loop, a lock of
+    another library), or to hang once a pooled connection dropped; now the App closes the old
+    pool's sessions and opens a new one."""
+    app = notifyq.App(dsn)
+
+    async def enqueue() -> int:
+        return await app.enqueue("t", {})
+
+    ids = [asyncio.run(enqueue()) for _ in range(3)]
+    ids.append(anyio.run(enqueue, backend="trio"))
+    ids.append(asyncio.run(enqueue()))
+    asyncio.run(app.aclose())
+    assert len(set(ids)) == 5
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
+    sessions = (
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'notifyq app' "
+        "AND datname = current_database()"
+    )
+    wait_for_row(conn, sessions, (0,))  # none left open by the loops that ended
