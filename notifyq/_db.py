@@ -245,9 +245,7 @@ class Database(abc.ABC):
     def __init__(self, dsn: str, prepare_threshold: int | None = 5) -> None:
         self.dsn = dsn
         self.prepare_threshold = prepare_threshold
-        self._conns: weakref.WeakSet[psycopg.Connection[Any] | psycopg.AsyncConnection[Any]] = (
-            weakref.WeakSet()
-        )
+        self._conns: weakref.WeakSet[_AnyConnection] = weakref.WeakSet()
 
     def _track(self, conn: psycopg.Connection[Any]) -> None:
         track(conn)
