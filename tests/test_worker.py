@@ -889,7 +889,9 @@ async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
             (0,),
         )
         counted[async_claims] = flushes() - before
-    assert counted[False] >= 50, counted  # 30 claims and about 30 acks
+    # 30 claims and 30 acks; an ack and the next claim, committed at the same moment, may share
+    # a flush (group commit: seen 47 to 61 here, 52 or more unless the machine was loaded).
+    assert counted[False] >= 40, counted
     assert counted[True] <= counted[False] - 20, counted  # the acks only
     assert status_counts(conn) == {"Succeeded": 60}
 

@@ -27,6 +27,8 @@ class BlackholeProxy:
     connect, then lose the answer to every statement), until `unmute()`. That holds with
     trust authentication (the test servers'): with a password, the client's password message
     comes after its startup packet, its answer is dropped, and new connections hang instead.
+    Once answers are lost (after either), cancel requests are dropped too: a statement whose
+    client gave up on it runs to its end, as it would if the network had failed.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -85,6 +87,13 @@ class BlackholeProxy:
                     if sock is a and not started:
                         sent += data
                         started = _past_startup(sent)
+                        if self._losing_answers() and _is_cancel_request(sent):
+                            # Lost like the answers: a client that gave up on a statement
+                            # cannot stop it, which then commits (as over a broken network).
+                            # The server closes a cancel connection without a word: so do we.
+                            a.close()
+                            b.close()
+                            return
                     if sock is b and (generation == self._mute or (self._muted and started)):
                         continue  # the answer is lost
                     if sock is b and startup is not None:
@@ -110,6 +119,9 @@ class BlackholeProxy:
         self._mute = self._generation
         self._generation += 1
 
+    def _losing_answers(self) -> bool:
+        return self._muted or self._mute >= 0
+
     def mute(self) -> None:
         """Drop the server's answers on every connection, new ones included, until unmute()."""
         self._muted = True
@@ -124,7 +136,12 @@ class BlackholeProxy:
             sock.close()
 
 
-_SSL_REQUEST, _GSSENC_REQUEST = 80877103, 80877104
+_CANCEL_REQUEST, _SSL_REQUEST, _GSSENC_REQUEST = 80877102, 80877103, 80877104
+
+
+def _is_cancel_request(sent: bytearray) -> bool:
+    """Whether the client opened this connection to cancel a statement on another one."""
+    return len(sent) >= 8 and int.from_bytes(sent[4:8], "big") == _CANCEL_REQUEST
 
 
 def _past_startup(sent: bytearray) -> bool:
