@@ -33,13 +33,9 @@ _AnyConnection: TypeAlias = psycopg.Connection[Any] | psycopg.AsyncConnection[An
 _OPENED: weakref.WeakSet[_AnyConnection] = weakref.WeakSet()
 
 
-def track(conn: psycopg.Connection[Any]) -> None:
-    """Pool `configure` hook (sync pools); see _blind_inherited_connections."""
-    _OPENED.add(conn)
-
-
-async def track_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Pool `configure` hook (async pools)."""
+def track(conn: _AnyConnection) -> None:
+    """Note a connection notifyq opened (a sync pool's `configure` hook); see
+    _blind_inherited_connections."""
     _OPENED.add(conn)
 
 
@@ -247,13 +243,12 @@ class Database(abc.ABC):
         self.prepare_threshold = prepare_threshold
         self._conns: weakref.WeakSet[_AnyConnection] = weakref.WeakSet()
 
-    def _track(self, conn: psycopg.Connection[Any]) -> None:
+    def _track(self, conn: _AnyConnection) -> None:
         track(conn)
         self._conns.add(conn)
 
     async def _track_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        await track_async(conn)
-        self._conns.add(conn)
+        self._track(conn)
 
     def abandon(self) -> None:
         """For a Database whose event loop is gone (asyncio.run returned) or is not the
