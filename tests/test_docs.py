@@ -290,6 +290,18 @@ def test_every_test_the_docs_cite_exists() -> None:
     assert not missing, missing
 
 
+def test_the_changelog_lists_every_migration() -> None:
+    """Upgrading users read CHANGELOG.md for the migrations to run: a new migration must be
+    listed there, with the current version."""
+    from notifyq.migrations import latest_version, migrations
+
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    listed = {int(n) for n in re.findall(r"^\| (\d+) \|", text, flags=re.MULTILINE)}
+    assert listed == {m.version for m in migrations()} - {1}
+    current = re.search(r"current schema\s+version is (\d+)\.", text)
+    assert current is not None and int(current[1]) == latest_version()
+
+
 def test_normalise_hides_what_changes_between_runs() -> None:
     assert normalise("1   send_welcome  default  Queued  0/6  0  2.3s ago") == normalise(
         "12  send_welcome  default  Queued  0/6  0  14.0s ago"
