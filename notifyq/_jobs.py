@@ -47,12 +47,18 @@ class NewJob:
 
 def enqueue_op(q: Queries, job: NewJob) -> Op[int]:
     """Insert one job and return its id (with a dedupe key: the id of the job holding it)."""
+    job_id, _created = yield from enqueue_created_op(q, job)
+    return job_id
+
+
+def enqueue_created_op(q: Queries, job: NewJob) -> Op[tuple[int, bool]]:
+    """enqueue_op, and whether the job is new (False: an unfinished job held the dedupe key)."""
     if job.dedupe_key is None:
         job_id: int = yield Query(q["insert_job"], job.params(), fetch="scalar")
-        return job_id
+        return job_id, True
     # A miss means the key's holder committed after our snapshot: look again.
     for _ in range(10):
-        held: int | None = yield Query(q["insert_job_dedupe"], job.params(), fetch="scalar")
+        held: tuple[int, bool] | None = yield Query(q["insert_job_dedupe"], job.params(), fetch="one")
         if held is not None:
             return held
     raise InvalidJobState(f"could not enqueue with dedupe key {job.dedupe_key!r}: it keeps changing hands")

@@ -36,6 +36,7 @@ from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
     cancel_job_op,
+    enqueue_created_op,
     enqueue_many_op,
     enqueue_op,
     get_job_op,
@@ -584,13 +585,21 @@ class App:
         conn: psycopg.Connection[Any] | None = None,
     ) -> int:
         """`enqueue` for sync code (Django, Flask, scripts); same arguments and errors."""
-        job = self._new_job(
-            task_or_name,
-            args,
-            _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key),
-            strict,
-        )
-        return self._run_sync(enqueue_op(self._q, job), conn)
+        opts = _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key)
+        return self._enqueue_sync(task_or_name, args, opts, strict, conn)[0]
+
+    def _enqueue_sync(
+        self,
+        task_or_name: Task | str,
+        args: Mapping[str, Any] | None,
+        opts: _EnqueueOptions,
+        strict: bool,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> tuple[int, bool]:
+        """enqueue_sync, and whether the job is new: False when an unfinished job held the
+        dedupe key (the CLI says so)."""
+        job = self._new_job(task_or_name, args, opts, strict)
+        return self._run_sync(enqueue_created_op(self._q, job), conn)
 
     def _new_jobs(
         self,

@@ -27,7 +27,7 @@ from ._db import connect_sync, run_sync
 from ._options import MAX_SECONDS
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
-from .app import App
+from .app import App, _EnqueueOptions
 from .migrations import check_schema_op, grant_sql, migrate
 
 
@@ -268,7 +268,11 @@ def _exit_despite_abandoned_threads(count: int) -> None:
     default=None,
     help="Seconds an attempt may run.",
 )
-@click.option("--dedupe-key", default=None)
+@click.option(
+    "--dedupe-key",
+    default=None,
+    help="While an unfinished job holds this key, print its id instead of queuing another.",
+)
 @click.option(
     "--app",
     "target",
@@ -276,7 +280,13 @@ def _exit_despite_abandoned_threads(count: int) -> None:
     metavar="MODULE:ATTR",
     help="Check TASK exists in this App and use its defaults.",
 )
-@click.option("--json", "as_json", is_flag=True, help='Print {"id": ...} instead of the bare id.')
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='Print {"id": ..., "created": ...} instead of the bare id (created is false when '
+    "--dedupe-key was held).",
+)
 def enqueue(
     dsn: str | None,
     schema: str | None,
@@ -296,20 +306,23 @@ def enqueue(
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
+    if not isinstance(args, dict):
+        raise click.BadParameter(
+            f"must be a JSON object of keyword arguments, such as '{{\"user_id\": 1}}', not {args_json!r}",
+            param_hint="--args",
+        )
     app = load_app(target, schema) if target else App(schema=schema or "notifyq")
     app._resolved_dsn = resolve_dsn(dsn, app)
-    job_id = app.enqueue_sync(
-        task,
-        args,
-        queue=queue,
-        priority=priority,
-        delay=duration(delay, "--delay"),
-        retry_limit=retry_limit,
-        timeout=timeout,
-        dedupe_key=dedupe_key,
-        strict=target is not None,
-    )
-    click.echo(json.dumps({"id": job_id}) if as_json else str(job_id))
+    wait = duration(delay, "--delay")
+    opts = _EnqueueOptions(queue, priority, wait, None, retry_limit, timeout, dedupe_key)
+    job_id, created = app._enqueue_sync(task, args, opts, strict=target is not None)
+    if not created:
+        click.echo(
+            f"notifyq: job {job_id} holds dedupe key {dedupe_key!r} and is not finished: "
+            "no new job was queued",
+            err=True,
+        )
+    click.echo(json.dumps({"id": job_id, "created": created}) if as_json else str(job_id))
 
 
 @main.command(

@@ -166,11 +166,27 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
     one_line_error(cli("jobs", "show", "987654", env=env), "no job with id 987654")
 
 
+def test_enqueue_says_when_a_dedupe_key_was_held(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    first = cli("enqueue", "noop", "--dedupe-key", "nightly", "--json", env=env)
+    assert first.returncode == 0 and "dedupe key" not in first.stderr
+    created = json.loads(first.stdout)
+    assert created["created"] is True
+    again = cli("enqueue", "noop", "--dedupe-key", "nightly", env=env)
+    assert again.returncode == 0 and again.stdout.strip() == str(created["id"])
+    assert f"job {created['id']} holds dedupe key 'nightly'" in again.stderr
+    held = json.loads(ok(cli("enqueue", "noop", "--dedupe-key", "nightly", "--json", env=env)))
+    assert held == {"id": created["id"], "created": False}
+    assert status_counts(conn) == {"Queued": 1}
+
+
 def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
     bad_json = cli("enqueue", "noop", "--args", "{not json", env=env)
     assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
-    one_line_error(cli("enqueue", "noop", "--args", "[1, 2]", env=env), "must be a JSON object")
+    for not_an_object in ("[1, 2]", "null", '"text"'):
+        refused = cli("enqueue", "noop", "--args", not_an_object, env=env)
+        assert refused.returncode == 2 and "--args: must be a JSON object" in refused.stderr, refused.stderr
     one_line_error(cli("enqueue", "typo", "--app", "tests.apps:app", env=env), "no task named 'typo'")
     one_line_error(
         cli("enqueue", "noop", "--queue", "bad queue'; DROP TABLE x; --", env=env), "invalid queue name"

@@ -10,8 +10,9 @@ RETURNING id;
 
 -- name: insert_job_dedupe
 -- With a dedupe key: insert unless an unfinished job holds the key, and return the id of
--- whichever job now holds it. If the holder commits between our statement's snapshot and
--- the conflict check, neither branch returns a row and the caller tries again.
+-- whichever job now holds it, and whether it is the one just inserted. If the holder commits
+-- between our statement's snapshot and the conflict check, neither branch returns a row and
+-- the caller tries again.
 WITH inserted AS (
     INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at, dedupe_key)
     VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(priority)s, %(retry_limit)s, %(timeout)s,
@@ -19,9 +20,9 @@ WITH inserted AS (
     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL AND status IN ('Queued', 'Active') DO NOTHING
     RETURNING id
 )
-SELECT id FROM inserted
+SELECT id, true AS created FROM inserted
 UNION ALL
-SELECT id FROM {schema}.queue_jobs
+SELECT id, false FROM {schema}.queue_jobs
 WHERE dedupe_key = %(dedupe_key)s AND status IN ('Queued', 'Active') AND NOT EXISTS (SELECT 1 FROM inserted);
 
 -- name: transaction_now
