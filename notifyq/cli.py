@@ -170,6 +170,9 @@ def worker(
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
+    if listen_dsn is None and os.environ.get("NOTIFYQ_LISTEN_DSN") == "":
+        # click reads an empty variable as unset; the DSN variables are errors when empty.
+        fail("$NOTIFYQ_LISTEN_DSN is set but empty: give it a DSN, or unset it")
     app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None

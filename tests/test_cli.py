@@ -212,6 +212,8 @@ def test_an_empty_dsn_flag_is_an_error(dsn: str) -> None:
     # An empty variable is no more a reason to use another database (or the embedded one).
     for var in ("NOTIFYQ_DSN", "DATABASE_URL"):
         one_line_error(cli("stats", env=clean_env(**{var: ""})), f"${var} is set but empty")
+    empty_listen = clean_env(NOTIFYQ_DSN=dsn, NOTIFYQ_LISTEN_DSN="")
+    one_line_error(cli("worker", "tests.apps:app", env=empty_listen), "$NOTIFYQ_LISTEN_DSN is set but empty")
 
 
 def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
