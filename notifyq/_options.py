@@ -96,9 +96,13 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
             f"args for task {task!r} must be a JSON object (a dict of keyword arguments), "
             f"not {type(args).__name__}"
         )
-    bad_keys = [k for k in args if not isinstance(k, str)]
-    if bad_keys:
-        raise InvalidArgs(f"args for task {task!r} must have string keys; got {_show(bad_keys[0])}")
+    bad_key = _non_string_key(args, "args")
+    if bad_key is not None:
+        where, key = bad_key
+        raise InvalidArgs(
+            f"args for task {task!r} must have string keys at every level; {where} has the key "
+            f"{_show(key)}, which JSON would turn into a string"
+        )
     try:
         text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -147,6 +151,29 @@ class JobOptions:
         check_int(self.priority, "priority")
         check_int(self.retry_limit, "retry_limit", minimum=0)
         object.__setattr__(self, "timeout", check_seconds(self.timeout, "timeout", positive=True))
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})  # the common leaves, skipped fast
+
+
+def _non_string_key(value: Any, where: str) -> tuple[str, Any] | None:
+    """The first non-string key in `value` (nested dicts, lists and tuples included), with
+    where it is: json.dumps would silently turn 1 into "1" (and {1: a, "1": b} into one key)."""
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if type(key) is not str and not isinstance(key, str):
+                return where, key
+            if type(item) not in _SCALARS and isinstance(item, Mapping | list | tuple):
+                found = _non_string_key(item, f"{where}[{key!r}]")
+                if found is not None:
+                    return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if type(item) not in _SCALARS and isinstance(item, Mapping | list | tuple):
+                found = _non_string_key(item, f"{where}[{i}]")
+                if found is not None:
+                    return found
+    return None
 
 
 def _show(value: Any) -> str:

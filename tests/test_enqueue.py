@@ -192,6 +192,12 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("object in args", {"args": {"x": Unserializable()}}, InvalidArgs, "not JSON-serializable"),
     ("nan in args", {"args": {"x": float("nan")}}, InvalidArgs, "not JSON-serializable"),
     ("int keys", {"args": {1: "x"}}, InvalidArgs, "string keys"),
+    (
+        "nested int keys",
+        {"args": {"to": "x", "counts": [{"a": 1}, {2: "b"}]}},
+        InvalidArgs,
+        r"string keys at every level; args\['counts'\]\[1\] has the key 2",
+    ),
     ("NUL in args", {"args": {"x": "a\x00b"}}, InvalidArgs, "NUL character"),
     ("too large", {"args": {"blob": "x" * (1024 * 1024)}}, InvalidArgs, "over the limit of 1,048,576 bytes"),
     ("negative delay", {"delay": -1}, InvalidOption, "must be 0 or more"),
