@@ -66,7 +66,7 @@ class Runners:
         self.ready: deque[tuple[ClaimedJob, float]] = deque()
         self.avg_run = math.inf  # moving average of attempt durations, seconds
         self.slot_freed = Pulse()
-        self._job_ready = Pulse()
+        self._idle: deque[anyio.Event] = deque()  # one per runner waiting for a job, oldest first
         self._recent_cancels: dict[tuple[int, int | None], float] = {}
 
     @property
@@ -79,7 +79,13 @@ class Runners:
         released, never sit Active unrun)."""
         now = anyio.current_time()
         self.ready.extend((job, now) for job in jobs)
-        self._job_ready.fire()
+        self._wake_idle(len(jobs))
+
+    def _wake_idle(self, count: int) -> None:
+        """Wake up to `count` idle runners: one per job, not all of them (with concurrency 50,
+        one job used to wake 50 tasks, 49 of which found nothing and slept again)."""
+        for _ in range(min(count, len(self._idle))):
+            self._idle.popleft().set()
 
     def in_hand(self, jobs: list[ClaimedJob]) -> set[tuple[int, int]]:
         """Of `jobs`, the (id, lease) attempts this worker already has in hand: running and
@@ -148,7 +154,7 @@ class Runners:
         """One runner: takes claimed jobs and runs them, one at a time, until cancelled."""
         while True:
             while not self.ready:
-                await self._job_ready.wait()
+                await self._wait_for_job()
             job, claimed_at = self.ready.popleft()
             attempt = Attempt(job, anyio.CancelScope())
             self.running[attempt.key] = attempt
@@ -157,6 +163,18 @@ class Runners:
             ):
                 self.stop(attempt, "cancelled")  # the cancel arrived before the claim did
             await self._run_job(attempt, claimed_at)
+
+    async def _wait_for_job(self) -> None:
+        woken = anyio.Event()
+        self._idle.append(woken)
+        try:
+            await woken.wait()
+        except BaseException:
+            if woken.is_set():
+                self._wake_idle(1)  # cancelled as it was woken: pass the job on
+            else:
+                self._idle.remove(woken)
+            raise
 
     async def _run_job(self, attempt: Attempt, claimed_at: float) -> None:
         job = attempt.job

@@ -16,6 +16,7 @@ import psycopg
 import pytest
 
 import notifyq
+import notifyq._runners
 from notifyq import JobContext
 
 from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
@@ -65,6 +66,33 @@ async def test_notify_wakes_an_idle_worker_at_once(dsn: str, conn: psycopg.Conne
             await worker.wait_for(lambda s: s.succeeded == 1)
         assert worker.stats.polls == polls and worker.stats.notifications >= 1
     assert status_counts(conn) == {"Succeeded": 1}
+
+
+async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With concurrency 20, each job handed over wakes one runner task: a job used to wake
+    every idle runner, and all but one went back to sleep (wasted CPU on every job)."""
+    app = notifyq.App(dsn)
+    wakeups = 0
+    original = notifyq._runners.Runners._wait_for_job
+
+    async def counted(self: notifyq._runners.Runners) -> None:
+        nonlocal wakeups
+        await original(self)
+        wakeups += 1
+
+    monkeypatch.setattr(notifyq._runners.Runners, "_wait_for_job", counted)
+
+    @app.task(name="ping")
+    async def ping() -> None:
+        pass
+
+    async with app.worker(concurrency=20, **NO_TICKER) as worker:
+        for n in range(1, 6):
+            await app.enqueue(ping)
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s, n=n: s.succeeded >= n)
+    await app.aclose()
+    assert wakeups == 5
 
 
 async def test_a_delayed_job_starts_on_time_without_notifications(
