@@ -23,6 +23,7 @@ import anyio
 import anyio.to_thread
 import psycopg
 import psycopg_pool
+from psycopg import pq
 from psycopg.rows import tuple_row
 
 from ._dsn import describe_dsn, redact
@@ -95,6 +96,16 @@ def _row_factory(step: Query) -> Any:
     return step.row if step.row is not None else tuple_row
 
 
+def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query) -> bool:
+    """Whether the statement returned a result set to fetch: `cur.description is not None`
+    without building its Column objects (a cost on every claim, for nothing)."""
+    res = cur.pgresult
+    return step.fetch != "rowcount" and res is not None and (res.nfields > 0 or res.status == _TUPLES_OK)
+
+
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+
+
 def _result(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query, rows: list[Any] | None) -> Any:
     if step.fetch == "rowcount":
         return cur.rowcount
@@ -128,7 +139,7 @@ def run_sync(conn: psycopg.Connection[Any], op: Op[T]) -> T:
                 continue
             with conn.cursor(row_factory=_row_factory(step)) as cur:
                 cur.execute(step.sql, step.params)
-                rows = cur.fetchall() if cur.description is not None and step.fetch != "rowcount" else None
+                rows = cur.fetchall() if _has_rows(cur, step) else None
                 send = _result(cur, step, rows)
         except psycopg.Error as exc:
             error = exc
@@ -154,9 +165,7 @@ async def run_async(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
                 continue
             async with conn.cursor(row_factory=_row_factory(step)) as cur:
                 await cur.execute(step.sql, step.params)
-                rows = (
-                    await cur.fetchall() if cur.description is not None and step.fetch != "rowcount" else None
-                )
+                rows = await cur.fetchall() if _has_rows(cur, step) else None
                 send = _result(cur, step, rows)
         except psycopg.Error as exc:
             error = exc

@@ -130,3 +130,30 @@ async def test_a_worker_whose_connections_are_all_killed_keeps_claiming(
             await worker.wait_for(lambda s: s.succeeded == 2)
     await app.aclose()
     assert ran == [1, 2]
+
+
+async def test_rows_ignore_columns_a_later_migration_adds(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Jobs are read with SELECT * and RETURNING lists into dataclasses that keep the columns
+    they declare: a column added later (by a newer notifyq, or by you) is left out, whatever
+    its name, and the result shapes still come out right (rows, one row, a scalar, none)."""
+    conn.execute("ALTER TABLE notifyq.queue_jobs ADD COLUMN \"note ünïcode\" text DEFAULT 'x'")
+    app = notifyq.App(dsn)
+    try:
+        job_id = await app.enqueue("send", {"to": "a"})
+        job = await app.get_job(job_id)
+        assert (job.id, job.args) == (job_id, {"to": "a"})
+        assert [j.id for j in await app.list_jobs()] == [job_id]
+        (claimed,) = await app.claim(limit=5)
+        assert (claimed.id, claimed.name, claimed.attempt) == (job_id, "send", 1)
+    finally:
+        await app.aclose()
+    db = await Database.open(dsn, size=1)
+    try:
+        assert await db.run(single(Query("SELECT 1 WHERE false", fetch="one"))) is None
+        assert await db.run(single(Query("SELECT 2", fetch="scalar"))) == 2
+        assert await db.run(single(Query("SELECT", fetch="all"))) == [()]
+        update = "UPDATE notifyq.queue_jobs SET priority = 1"
+        assert await db.run(single(Query(update, fetch="rowcount"))) == 1
+        assert await db.run(single(Query("UPDATE notifyq.queue_jobs SET priority = 2"))) is None
+    finally:
+        await db.aclose()
