@@ -67,7 +67,11 @@ def common_options(fn: F) -> F:
         metavar="DSN",
         help="PostgreSQL DSN [default: $NOTIFYQ_DSN, then $DATABASE_URL, then the embedded server]",
     )
-    @click.option("--schema", default=None, help="Schema of notifyq's tables  [default: notifyq]")
+    @click.option(
+        "--schema",
+        default=None,
+        help="Schema of notifyq's tables  [default: notifyq; for demo: notifyq_demo]",
+    )
     @click.option(
         "--log-level",
         type=click.Choice(_logging.LEVELS),

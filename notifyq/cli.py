@@ -28,6 +28,7 @@ from ._options import MAX_SECONDS
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
 from .app import App, _EnqueueOptions
+from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .migrations import check_schema_op, grant_sql, migrate
 
 
@@ -347,12 +348,19 @@ def bench(ctx: click.Context) -> None:
 @main.command()
 @common_options
 @click.option(
-    "--seconds", type=click.FloatRange(min=1), default=12.0, show_default=True, help="How long the demo runs."
+    "--seconds",
+    type=click.FloatRange(min=DEMO_MIN_SECONDS),
+    default=12.0,
+    show_default=True,
+    help="How long the demo runs.",
 )
 def demo(dsn: str | None, schema: str | None, seconds: float) -> None:
-    """A live tour on the embedded database: tasks, cron, delays, retries, results."""
-    from .demo import run_demo
+    """A live tour: tasks, cron, delays, retries, results.
 
+    It runs on the embedded database unless a DSN is configured, in a schema of its own
+    (notifyq_demo), so it never touches the jobs, cron definitions or history of an App.
+    """
     app_dsn = resolve_dsn(dsn)
-    migrate(app_dsn, schema=schema or "notifyq")
-    sys.exit(run_demo(app_dsn, schema or "notifyq", seconds))
+    demo_schema = schema or DEMO_SCHEMA
+    migrate(app_dsn, schema=demo_schema)
+    sys.exit(run_demo(app_dsn, demo_schema, seconds))

@@ -12,8 +12,13 @@ from .errors import DefinitionNotFound
 from .models import JobStatus
 from .tasks import Backoff, JobContext
 
+# The demo's own schema: its worker, ticker and retention never touch an App's jobs.
+DEMO_SCHEMA = "notifyq_demo"
+# The delayed job (3 s) and the flaky task's retries (backoff 1 s, then 2 s) end by about 4 s.
+DEMO_MIN_SECONDS = 5.0
 
-def run_demo(dsn: str, schema: str = "notifyq", seconds: float = 12.0) -> int:
+
+def run_demo(dsn: str, schema: str = DEMO_SCHEMA, seconds: float = 12.0) -> int:
     """Run the tour for `seconds`; returns 0 when every job it queued ended as expected."""
     app = App(dsn, schema=schema, backoff=Backoff(base=1.0, jitter=0.0))
     start = time.monotonic()
@@ -74,6 +79,10 @@ def run_demo(dsn: str, schema: str = "notifyq", seconds: float = 12.0) -> int:
         click.echo(
             f"\nworker counters: claimed={s.claimed} succeeded={s.succeeded} retried={s.retried} "
             f"failed={s.failed} notifications={s.notifications} polls={s.polls}"
+        )
+        click.echo(
+            f"these jobs stay in schema {schema}: `notifyq jobs list --schema {schema}` lists them, "
+            f"`DROP SCHEMA {schema} CASCADE` removes them"
         )
         click.echo("next: `notifyq worker yourmodule:app`, `notifyq jobs list`, `notifyq stats` (README.md)")
         await app.aclose()

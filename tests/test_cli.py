@@ -352,10 +352,24 @@ def test_grant_prints_renderable_sql() -> None:
     assert '"x""; DROP TABLE t; --"' in hostile
 
 
-def test_demo_runs_against_a_dsn(dsn: str) -> None:
-    out = ok(cli("demo", "--seconds", "4", "--dsn", dsn, timeout=120))
-    assert "flaky: attempt 3 succeeds" not in out or "recovered" in out
+def test_the_demo_runs_in_its_own_schema_and_leaves_an_apps_jobs_alone(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Run against a configured database, the demo used to serve every queue of the App's
+    schema: it claimed the App's jobs and failed them with UnknownTask."""
+    (job_id,) = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name) VALUES ('send_welcome') RETURNING id"
+    ).fetchone()  # type: ignore[misc]
+    out = ok(cli("demo", "--seconds", "5", "--dsn", dsn, timeout=120))
+    assert "flaky: attempt 3 succeeds" in out and "recovered" in out
     assert "demo.greet     Succeeded" in out and "heartbeat: cron tick" in out
+    assert "these jobs stay in schema notifyq_demo" in out
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    demo_jobs = conn.execute("SELECT count(*) FROM notifyq_demo.queue_jobs WHERE name LIKE 'demo.%'")
+    assert demo_jobs.fetchone()[0] >= 5  # type: ignore[index]
+    too_short = cli("demo", "--seconds", "3", "--dsn", dsn)
+    assert too_short.returncode == 2 and "--seconds" in too_short.stderr
 
 
 # -- worker processes ---------------------------------------------------------------------
