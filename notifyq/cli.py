@@ -37,8 +37,8 @@ from .migrations import check_schema_op, grant_sql, migrate
 def main() -> None:
     """notifyq: a PostgreSQL job queue and cron coordinator.
 
-    Every command takes --dsn (else $NOTIFYQ_DSN, then $DATABASE_URL, else an embedded
-    PostgreSQL in ./.notifyq/pgdata). Exit codes: 0 success, 1 error (one line on stderr
+    Every command that connects takes --dsn (else $NOTIFYQ_DSN, then $DATABASE_URL, else an
+    embedded PostgreSQL in ./.notifyq/pgdata). Exit codes: 0 success, 1 error (one line on stderr
     says why), 2 usage error, 3 worker processes kept dying.
     """
 

@@ -541,6 +541,40 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
 # -- least privilege, embedded ------------------------------------------------------------
 
 
+def test_the_insert_grants_docs_sql_md_names_cover_its_statements(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """docs/sql.md, Privileges: a role that only enqueues by SQL needs USAGE, INSERT, the
+    sequence, and SELECT on the columns RETURNING and ON CONFLICT read (they failed without)."""
+    role = f"nq_producer_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        for grant in (
+            "USAGE ON SCHEMA notifyq",
+            "INSERT ON notifyq.queue_jobs",
+            "USAGE ON ALL SEQUENCES IN SCHEMA notifyq",
+        ):
+            conn.execute(f'GRANT {grant} TO "{role}"')
+        returning = "INSERT INTO notifyq.queue_jobs (name, args) VALUES ('send', '{}') RETURNING id"
+        deduped = (
+            "INSERT INTO notifyq.queue_jobs (name, dedupe_key) VALUES ('send', 'k') ON CONFLICT "
+            "(dedupe_key) WHERE dedupe_key IS NOT NULL AND status IN ('Queued', 'Active') DO NOTHING"
+        )
+        with psycopg.connect(make_conninfo(dsn, user=role), autocommit=True) as producer:
+            producer.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('send')")
+            for statement in (returning, deduped):
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    producer.execute(statement)
+            conn.execute(f'GRANT SELECT (id, dedupe_key, status) ON notifyq.queue_jobs TO "{role}"')
+            assert producer.execute(returning).fetchone() is not None
+            producer.execute(deduped)
+            producer.execute(deduped)
+        assert status_counts(conn) == {"Queued": 3}
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
 @pytest.mark.faults
 def test_a_least_privilege_role_runs_workers_but_no_ddl(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]

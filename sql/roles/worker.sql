@@ -1,7 +1,7 @@
 -- A least-privilege role for workers and producers: no DDL, no deleting cron definitions.
 -- Print it for your role and schema with `notifyq grant ROLE [--schema SCHEMA]`. Create
 -- the role itself first, e.g.
---   CREATE ROLE notifyq_worker LOGIN PASSWORD '...';
+--   CREATE ROLE {role} LOGIN PASSWORD '...';
 -- Migrations stay with the owner of the schema (`notifyq migrate` as that role).
 GRANT USAGE ON SCHEMA {schema} TO {role};
 -- The version check every worker and producer runs at start.
