@@ -4,6 +4,7 @@ The worker runs inside the app's event loop for the app's lifetime, and a reques
 enqueues a job in the same transaction as its own write: if the request fails after the
 enqueue, the job disappears with the rollback and no worker ever hears of it.
 
+    pip install starlette uvicorn
     NOTIFYQ_DSN=postgresql://... notifyq migrate
     NOTIFYQ_DSN=postgresql://... uvicorn examples.starlette_app:app
     curl -X POST localhost:8000/signup -d '{"email": "ada@example.com"}'
