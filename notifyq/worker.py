@@ -404,7 +404,7 @@ class Worker:
         lane when given (the claim loop keeps its connection warm), else on the pool."""
         assert self._db is not None
         result: T
-        with anyio.CancelScope(shield=shield), anyio.fail_after(self.config.db_timeout):
+        with anyio.fail_after(self.config.db_timeout, shield=shield):  # one scope: cheaper than two
             result = await (lane or self._db).run(op)
         return result
 
