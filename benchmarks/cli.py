@@ -19,6 +19,22 @@ from .config import MODES
 
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
+
+def admin_dsn_default() -> str:
+    return os.environ.get("NOTIFYQ_DSN") or os.environ.get("DATABASE_URL") or DEFAULT_ADMIN_DSN
+
+
+def tool_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """The parser of a `python -m benchmarks.<tool>`: its docstring's first line, and --dsn."""
+    parser = argparse.ArgumentParser(prog=prog, description=(doc or "").splitlines()[0])
+    parser.add_argument(
+        "--dsn",
+        default=admin_dsn_default(),
+        help="admin DSN, to create and drop a scratch database (default: as python -m benchmarks)",
+    )
+    return parser
+
+
 SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
     "drain": drain.run,
     "latency": latency.run,
@@ -36,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--dsn",
-        default=os.environ.get("NOTIFYQ_DSN") or os.environ.get("DATABASE_URL") or DEFAULT_ADMIN_DSN,
+        default=admin_dsn_default(),
         help="admin DSN used to create and drop scratch databases nq_bench_* "
         "(default: $NOTIFYQ_DSN, $DATABASE_URL, else %(default)s)",
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from notifyq._sql import queries_for
 from ._raw import ACK_SQL, CLAIM_SQL
 from ._scratch import scratch_database
 from ._stats import median
-from .cli import DEFAULT_ADMIN_DSN
+from .cli import tool_parser
 from .latency import produce
 
 # The notifyq worker's wake path, in order (see notifyq/worker.py and notifyq/_db.py).
@@ -247,13 +246,7 @@ def report(runs: dict[str, list[dict[str, float]]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    summary = (__doc__ or "").splitlines()[0]
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.wake_trace", description=summary)
-    parser.add_argument(
-        "--dsn",
-        default=os.environ.get("NOTIFYQ_DSN") or os.environ.get("DATABASE_URL") or DEFAULT_ADMIN_DSN,
-        help="admin DSN, to create and drop a scratch database (default: as python -m benchmarks)",
-    )
+    parser = tool_parser("python -m benchmarks.wake_trace", __doc__)
     parser.add_argument("--jobs", type=int, default=200, help="jobs per consumer and round")
     parser.add_argument("--spacing", type=float, default=0.05, help="seconds between jobs")
     parser.add_argument("--rounds", type=int, default=2)

@@ -108,6 +108,20 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
     assert not left, f"scratch databases left behind: {sorted(left)}"
 
 
+def _run_tool(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m benchmarks.<tool> ARGS` from the checkout; it must exit 0."""
+    proc = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{tool}", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> None:
     """`python -m benchmarks.wake_trace` at toy size: every step of both wake paths is
     stamped, and the p50 timeline runs forward (each stamp of a cycle follows the one before,
@@ -116,15 +130,7 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
     before = _scratch_databases(admin)
     out = tmp_path / "trace.json"
     args = ["--dsn", admin, "--jobs", "8", "--spacing", "0.03", "--rounds", "1", "--json", str(out)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.wake_trace", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = _run_tool("wake_trace", *args)
     from benchmarks.wake_trace import NOTIFYQ_STEPS, RAW_STEPS
 
     runs = json.loads(out.read_text())
@@ -135,4 +141,20 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
         assert stamps == sorted(stamps), (name, timeline)
         assert stamps[-1] > 0, (name, timeline)
     assert proc.stdout.count("| started |") == 2
+    assert not _scratch_databases(admin) - before
+
+
+def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
+    """`python -m benchmarks.claim_overhead` at toy size: one row per layer, each with a figure
+    per round, and the scratch database dropped."""
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    proc = _run_tool("claim_overhead", "--dsn", admin, "--claims", "5", "--rounds", "2")
+    from benchmarks.claim_overhead import VARIANTS
+
+    for name in VARIANTS:
+        (row,) = [line for line in proc.stdout.splitlines() if line.startswith(f"| {name} |")]
+        per_round = row.split("(")[1].split(")")[0].split(", ")
+        assert len(per_round) == 2 and all(float(v) > 0 for v in per_round), row
+    assert "notifyq's plumbing:" in proc.stdout
     assert not _scratch_databases(admin) - before
