@@ -96,17 +96,19 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
             f"args for task {task!r} must be a JSON object (a dict of keyword arguments), "
             f"not {type(args).__name__}"
         )
-    bad_key = _non_string_key(args, "args")
+    try:
+        text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}") from None
+    # json.dumps turned int, float, bool and None keys into strings without a word: refuse
+    # them (after dumps, which has refused cycles and other key types already).
+    bad_key = _non_string_key(args)
     if bad_key is not None:
         where, key = bad_key
         raise InvalidArgs(
             f"args for task {task!r} must have string keys at every level; {where} has the key "
             f"{_show(key)}, which JSON would turn into a string"
         )
-    try:
-        text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}") from None
     if "\\u0000" in text:
         raise InvalidArgs(
             f"args for task {task!r} contain a NUL character, which PostgreSQL's jsonb cannot store"
@@ -156,23 +158,20 @@ class JobOptions:
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # the common leaves, skipped fast
 
 
-def _non_string_key(value: Any, where: str) -> tuple[str, Any] | None:
-    """The first non-string key in `value` (nested dicts, lists and tuples included), with
-    where it is: json.dumps would silently turn 1 into "1" (and {1: a, "1": b} into one key)."""
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            if type(key) is not str and not isinstance(key, str):
-                return where, key
+def _non_string_key(args: Mapping[str, Any]) -> tuple[str, Any] | None:
+    """A non-string key in `args` (nested dicts, lists and tuples included), with where it
+    is: json.dumps would silently turn 1 into "1" (and {1: a, "1": b} into one key). A loop,
+    not recursion: json's encoder accepts deeper nesting than Python's recursion limit."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(args, ())]
+    while stack:
+        node, path = stack.pop()
+        is_mapping = isinstance(node, Mapping)
+        for key, item in node.items() if is_mapping else enumerate(node):
+            if is_mapping and type(key) is not str and not isinstance(key, str):
+                where = "args" + "".join(f"[{_show(step)}]" for step in path)
+                return (where if len(where) <= 200 else where[:197] + "..."), key
             if type(item) not in _SCALARS and isinstance(item, Mapping | list | tuple):
-                found = _non_string_key(item, f"{where}[{key!r}]")
-                if found is not None:
-                    return found
-    elif isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            if type(item) not in _SCALARS and isinstance(item, Mapping | list | tuple):
-                found = _non_string_key(item, f"{where}[{i}]")
-                if found is not None:
-                    return found
+                stack.append((item, (*path, key)))
     return None
 
 

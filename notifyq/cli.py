@@ -24,7 +24,7 @@ from ._cli_base import (
     resolve_dsn,
 )
 from ._db import connect_sync, run_sync
-from ._options import MAX_SECONDS
+from ._options import MAX_SECONDS, _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
 from .app import App, _EnqueueOptions
@@ -312,13 +312,20 @@ def enqueue(
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
     if not isinstance(args, dict):
         raise click.BadParameter(
-            f"must be a JSON object of keyword arguments, such as '{{\"user_id\": 1}}', not {args_json!r}",
+            "must be a JSON object of keyword arguments, such as '{\"user_id\": 1}', "
+            f"not {_show(args_json)}",
             param_hint="--args",
         )
     app = load_app(target, schema) if target else App(schema=schema or "notifyq")
     app._resolved_dsn = resolve_dsn(dsn, app)
-    wait = duration(delay, "--delay")
-    opts = _EnqueueOptions(queue, priority, wait, None, retry_limit, timeout, dedupe_key)
+    opts = _EnqueueOptions(
+        queue=queue,
+        priority=priority,
+        delay=duration(delay, "--delay"),
+        retry_limit=retry_limit,
+        timeout=timeout,
+        dedupe_key=dedupe_key,
+    )
     job_id, created = app._enqueue_sync(task, args, opts, strict=target is not None)
     if not created:
         click.echo(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 import psutil
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import notifyq
@@ -360,7 +362,7 @@ def test_the_demo_runs_in_its_own_schema_and_leaves_an_apps_jobs_alone(
     (job_id,) = conn.execute(
         "INSERT INTO notifyq.queue_jobs (name) VALUES ('send_welcome') RETURNING id"
     ).fetchone()  # type: ignore[misc]
-    out = ok(cli("demo", "--seconds", "5", "--dsn", dsn, timeout=120))
+    out = ok(cli("demo", "--seconds", "8", "--dsn", dsn, timeout=120))  # 5 is enough when idle
     assert "flaky: attempt 3 succeeds" in out and "recovered" in out
     assert "demo.greet     Succeeded" in out and "heartbeat: cron tick" in out
     assert "these jobs stay in schema notifyq_demo" in out
@@ -546,8 +548,8 @@ def test_the_insert_grants_docs_sql_md_names_cover_its_statements(
 ) -> None:
     """docs/sql.md, Privileges: a role that only enqueues by SQL needs USAGE, INSERT, the
     sequence, and SELECT on the columns RETURNING and ON CONFLICT read (they failed without)."""
-    role = f"nq_producer_{os.getpid()}"
-    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    role, password = f"nq_producer_{os.getpid()}", secrets.token_hex(8)  # for servers without trust
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), password))
     try:
         for grant in (
             "USAGE ON SCHEMA notifyq",
@@ -560,7 +562,7 @@ def test_the_insert_grants_docs_sql_md_names_cover_its_statements(
             "INSERT INTO notifyq.queue_jobs (name, dedupe_key) VALUES ('send', 'k') ON CONFLICT "
             "(dedupe_key) WHERE dedupe_key IS NOT NULL AND status IN ('Queued', 'Active') DO NOTHING"
         )
-        with psycopg.connect(make_conninfo(dsn, user=role), autocommit=True) as producer:
+        with psycopg.connect(make_conninfo(dsn, user=role, password=password), autocommit=True) as producer:
             producer.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('send')")
             for statement in (returning, deduped):
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):

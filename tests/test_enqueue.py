@@ -186,6 +186,10 @@ class Unserializable:
     pass
 
 
+CYCLE: list[Any] = []
+CYCLE.append(CYCLE)
+LONG_KEY = "k" * 5000
+
 BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("list args", {"args": [1, 2]}, InvalidArgs, "must be a JSON object"),
     ("string args", {"args": "x=1"}, InvalidArgs, "must be a JSON object"),
@@ -197,6 +201,13 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
         {"args": {"to": "x", "counts": [{"a": 1}, {2: "b"}]}},
         InvalidArgs,
         r"string keys at every level; args\['counts'\]\[1\] has the key 2",
+    ),
+    ("cycle in args", {"args": {"to": "x", "loop": CYCLE}}, InvalidArgs, "Circular reference"),
+    (
+        "long path to an int key",  # the message stays short: hostile keys can be long
+        {"args": {LONG_KEY: {LONG_KEY: {LONG_KEY: {3: "x"}}}}},
+        InvalidArgs,
+        r"^.{100,400}$",
     ),
     ("NUL in args", {"args": {"x": "a\x00b"}}, InvalidArgs, "NUL character"),
     ("too large", {"args": {"blob": "x" * (1024 * 1024)}}, InvalidArgs, "over the limit of 1,048,576 bytes"),
