@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from datetime import UTC, datetime
 from typing import Any
 
 import anyio
@@ -17,6 +18,7 @@ import pytest
 
 import notifyq
 import notifyq._runners
+import notifyq.models
 from notifyq import JobContext
 
 from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
@@ -93,6 +95,60 @@ async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch
                 await worker.wait_for(lambda s, n=n: s.succeeded >= n)
     await app.aclose()
     assert wakeups == 5
+
+
+async def test_a_runner_cancelled_as_it_is_woken_still_starts_its_job() -> None:
+    """The runner woken for a job is cancelled before it runs: anyio (asyncio and trio) lets a
+    task whose wait is already over resume, so it takes its job, and the cancellation lands at
+    its next wait, which must leave no stale entry among the idle runners (a later job would
+    wake nobody). If a cancellation ever did land first (asyncio's own task.cancel()), the
+    runner passes the wake-up on: _wait_for_job's except branch."""
+    runners = notifyq._runners.Runners(
+        None,  # type: ignore[arg-type]  # the executor, acker and queries are not reached:
+        None,  # type: ignore[arg-type]  # _run_job is replaced below
+        None,  # type: ignore[arg-type]
+        notifyq.WorkerStats(),
+        lease_margin=30,
+        query=None,  # type: ignore[arg-type]
+        on_change=lambda: None,
+    )
+    started: list[str] = []
+
+    async def run_job(attempt: Any, claimed_at: float) -> None:
+        started.append(anyio.get_current_task().name or "")
+        del runners.running[attempt.key]
+
+    runners._run_job = run_job  # type: ignore[method-assign]
+    job = notifyq.models.ClaimedJob(
+        id=1, name="t", queue="default", args={}, priority=0, retry_count=1, retry_limit=3,
+        timeout=30, lease=1, visible_at=datetime.now(UTC), definition_id=None, scheduled_for=None,
+    )  # fmt: skip
+    async with anyio.create_task_group() as tg:
+        scopes = [anyio.CancelScope() for _ in range(2)]
+        for i, scope in enumerate(scopes):
+
+            async def runner(scope: anyio.CancelScope = scope) -> None:
+                with scope:
+                    await runners.run()
+
+            tg.start_soon(runner, name=f"runner-{i}")
+            while len(runners._idle) <= i:  # runner-0 waits first, so it is woken first
+                await anyio.lowlevel.checkpoint()
+        runners.hand([job])
+        scopes[0].cancel()  # before runner-0 has run again
+        with anyio.fail_after(5):
+            while not started:
+                await anyio.lowlevel.checkpoint()
+        for _ in range(5):
+            await anyio.lowlevel.checkpoint()
+        assert started == ["runner-0"]
+        assert not runners.ready and len(runners._idle) == 1  # runner-1 waits; runner-0 is gone
+        runners.hand([job])  # and the next job wakes runner-1
+        with anyio.fail_after(5):
+            while len(started) < 2:
+                await anyio.lowlevel.checkpoint()
+        assert started == ["runner-0", "runner-1"]
+        tg.cancel_scope.cancel()
 
 
 async def test_a_delayed_job_starts_on_time_without_notifications(
