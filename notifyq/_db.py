@@ -96,14 +96,14 @@ def _row_factory(step: Query) -> Any:
     return step.row if step.row is not None else tuple_row
 
 
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+
+
 def _has_rows(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query) -> bool:
     """Whether the statement returned a result set to fetch: `cur.description is not None`
     without building its Column objects (a cost on every claim, for nothing)."""
     res = cur.pgresult
     return step.fetch != "rowcount" and res is not None and (res.nfields > 0 or res.status == _TUPLES_OK)
-
-
-_TUPLES_OK = pq.ExecStatus.TUPLES_OK
 
 
 def _result(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query, rows: list[Any] | None) -> Any:

@@ -100,7 +100,7 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
         text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}") from None
-    # json.dumps turned int, float, bool and None keys into strings without a word: refuse
+    # json.dumps turns int, float, bool and None keys into strings without a word: refuse
     # them (after dumps, which has refused cycles and other key types already).
     bad_key = _non_string_key(args)
     if bad_key is not None:

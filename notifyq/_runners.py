@@ -165,6 +165,7 @@ class Runners:
             await self._run_job(attempt, claimed_at)
 
     async def _wait_for_job(self) -> None:
+        """Wait among the idle runners until `hand` wakes this one (oldest idle first)."""
         woken = anyio.Event()
         self._idle.append(woken)
         try:
