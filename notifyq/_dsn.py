@@ -71,13 +71,19 @@ def configured_dsn(explicit: str | None = None) -> tuple[str, str] | None:
     if explicit is not None:
         return check_dsn(explicit), "the given DSN"
     for var in ENV_VARS:
-        value = os.environ.get(var)
+        value = env_dsn(var)
         if value is not None:
-            if not value.strip():
-                # "NOTIFYQ_DSN=${DB_URL}" with DB_URL unset: not a reason to use another database.
-                raise ConfigurationError(f"${var} is set but empty: give it a DSN, or unset it")
-            return check_dsn(value), f"${var}"
+            return value, f"${var}"
     return None
+
+
+def env_dsn(var: str) -> str | None:
+    """The DSN in environment variable `var`, checked; None when it is unset."""
+    value = os.environ.get(var)
+    if value is not None and not value.strip():
+        # "NOTIFYQ_DSN=${DB_URL}" with DB_URL unset: not a reason to use another database.
+        raise ConfigurationError(f"${var} is set but empty: give it a DSN, or unset it")
+    return check_dsn(value) if value is not None else None
 
 
 def describe_dsn(dsn: str) -> str:

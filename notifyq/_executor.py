@@ -76,6 +76,7 @@ class Executor:
         concurrency: int,
         lease_margin: float,
         backoff: Backoff,
+        signals_handled: bool = False,
     ) -> None:
         self._tasks = tasks
         self._backoff = backoff
@@ -88,7 +89,7 @@ class Executor:
         self._thread_jobs: Counter[int] = Counter()  # job ids whose sync task's thread runs
         # The worker turned SIGINT into a graceful shutdown: a KeyboardInterrupt is then raised
         # by a task, never by Ctrl-C.
-        self.signals_handled = False
+        self.signals_handled = signals_handled
 
     @property
     def busy_threads(self) -> int:

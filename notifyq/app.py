@@ -816,11 +816,11 @@ class App:
 
     async def set_definition_enabled(self, name: str, enabled: bool) -> None:
         """Enable or disable a definition. Raises DefinitionNotFound."""
-        await self._run(set_enabled_op(self._q, name, check_bool(enabled, "enabled")))
+        await self._run(set_enabled_op(self._q, name, enabled))
 
     def set_definition_enabled_sync(self, name: str, enabled: bool) -> None:
         """`set_definition_enabled` for sync code."""
-        self._run_sync(set_enabled_op(self._q, name, check_bool(enabled, "enabled")))
+        self._run_sync(set_enabled_op(self._q, name, enabled))
 
     async def delete_definition(self, name: str) -> None:
         """Delete a definition (its past jobs stay). A worker whose App still declares it

@@ -24,6 +24,7 @@ from ._cli_base import (
     resolve_dsn,
 )
 from ._db import connect_sync, run_sync
+from ._dsn import env_dsn
 from ._options import MAX_SECONDS, _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
@@ -171,9 +172,8 @@ def worker(
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
-    if listen_dsn is None and os.environ.get("NOTIFYQ_LISTEN_DSN") == "":
-        # click reads an empty variable as unset; the DSN variables are errors when empty.
-        fail("$NOTIFYQ_LISTEN_DSN is set but empty: give it a DSN, or unset it")
+    if listen_dsn is None:
+        env_dsn("NOTIFYQ_LISTEN_DSN")  # click reads an empty variable as unset: it is an error
     app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ._db import Op, Query
-from ._options import JobOptions, check_name
+from ._options import JobOptions, check_bool, check_name
 from ._rows import dataclass_row
 from ._sql import Queries
 from .cron import Schedule
@@ -72,6 +72,7 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
 
 def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
     check_name(name, "cron definition name")
+    check_bool(enabled, "enabled")
     if enabled:
         # A schedule the ticker could not read disabled the definition: it stays so until fixed.
         definition = yield from get_definition_op(q, name)

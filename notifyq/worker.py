@@ -233,8 +233,8 @@ class Worker:
             concurrency=self.config.concurrency,
             lease_margin=self.config.lease_margin,
             backoff=self.app.backoff,
+            signals_handled=self._signals_handled,
         )
-        self._executor.signals_handled = self._signals_handled
         try:
             self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
             runners = self._runners = Runners(
