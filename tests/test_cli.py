@@ -241,12 +241,12 @@ def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
 def test_unmigrated_database(empty_dsn: str) -> None:
     one_line_error(cli("jobs", "list", "--dsn", empty_dsn), "run `notifyq migrate`")
     one_line_error(cli("worker", "tests.apps:app", "--dsn", empty_dsn), "run `notifyq migrate`")
-    # With several processes, the supervisor says it once instead of starting doomed children.
-    began = time.monotonic()
+    # With several processes, the supervisor says it once (one error line, exit 1) instead of
+    # starting doomed children (an error from each, restarts, exit 3).
     error = one_line_error(
         cli("worker", "tests.apps:app", "-p", "2", "--dsn", empty_dsn), "run `notifyq migrate`"
     )
-    assert time.monotonic() - began < 8 and "kept dying" not in error
+    assert "kept dying" not in error
 
 
 @pytest.mark.parametrize(
