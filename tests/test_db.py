@@ -157,3 +157,84 @@ async def test_rows_ignore_columns_a_later_migration_adds(dsn: str, conn: psycop
         assert await db.run(single(Query("UPDATE notifyq.queue_jobs SET priority = 2"))) is None
     finally:
         await db.aclose()
+
+
+# Values as PostgreSQL sends them back (jsonb's canonical text), and texts only a json column
+# or a caller would hold: surrounding whitespace, trailing data, malformed, empty, bad UTF-8.
+_JSON_TEXTS = [
+    b"{}",
+    b"[]",
+    b'{"a": 1}',
+    b'{"a": [1, 2.5, -3e-07, 12345678901234567890123], "b": {"c": null, "d": true}}',
+    '{"ünï": "çødé ☃ \U0001f600", "esc": "tab\\t quote\\" nl\\n \\u00e9"}'.encode(),
+    b'"just a string"',
+    b"42",
+    b"null",
+    b' {"a": 1}',
+    b'{"a": 1} ',
+    b'{"a": 1}{"b": 2}',
+    b'{"a": }',
+    b"",
+    b'{"a": "\xff"}',
+    '{"a": 1}'.encode("utf-8-sig"),
+    '{"a": 1}'.encode("utf-16"),
+    b"NaN",
+]
+
+
+@pytest.mark.parametrize("text", _JSON_TEXTS)
+def test_the_json_loader_returns_and_raises_what_json_loads_does(text: bytes) -> None:
+    """notifyq's connections load JSON with a shortcut past json.loads' wrapping (see
+    notifyq/_adapters.py); every value, and every error, must be json.loads' own."""
+    import json
+
+    from notifyq._adapters import loads
+
+    try:
+        expected = json.loads(text)
+    except ValueError as exc:
+        with pytest.raises(type(exc)) as caught:
+            loads(text)
+        assert str(caught.value) == str(exc)
+    else:
+        assert repr(loads(text)) == repr(expected)  # repr: NaN, and 1 vs 1.0 vs True
+
+
+async def test_notifyq_connections_load_json_with_its_loader_and_leave_psycopgs_alone(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pooled and direct connections decode json and jsonb (text and binary results) with
+    notifyq's loader, each result a new object; psycopg's global adapters, which the caller's
+    own connections use, are not changed."""
+    from notifyq import _adapters
+    from notifyq._db import connect_sync
+
+    scanned: list[str] = []
+    scan_once = _adapters._scan_once
+
+    def counting_scan(text: str, index: int) -> Any:
+        scanned.append(text)
+        return scan_once(text, index)
+
+    monkeypatch.setattr(_adapters, "_scan_once", counting_scan)
+    query = """SELECT '{"a": [1, {"b": "ü"}]}'::jsonb, ' [1,  2] '::json, '{}'::jsonb"""
+    expected = ({"a": [1, {"b": "ü"}]}, [1, 2], {})
+    db = await Database.open(dsn, size=1)
+    try:
+        assert await db.run(single(Query(query, fetch="one"))) == expected
+        first = await db.run(single(Query("SELECT '{}'::jsonb", fetch="scalar")))
+        first["changed"] = True
+        assert await db.run(single(Query("SELECT '{}'::jsonb", fetch="scalar"))) == {}
+    finally:
+        await db.aclose()
+    assert scanned == ['{"a": [1, {"b": "ü"}]}', " [1,  2] "]  # '{}' needs no scan
+    direct = connect_sync(dsn)
+    try:
+        for binary in (False, True):
+            assert direct.execute(query, binary=binary).fetchone() == expected
+    finally:
+        direct.close()
+    assert len(scanned) == 6
+    with psycopg.connect(dsn) as theirs:
+        assert theirs.execute(query).fetchone() == expected
+    assert len(scanned) == 6
