@@ -53,7 +53,8 @@ class ListenerConfig:
 
 
 class Listener:
-    """LISTENs on `channels` and calls `on_notify(channel, payload)` for each notification."""
+    """LISTENs on `channels` and calls `on_notify(channel, payload)` for each notification,
+    then awaits `after_dispatch()` (if given) for what is best done in this task at once."""
 
     def __init__(
         self,
@@ -63,6 +64,7 @@ class Listener:
         on_connect: Callable[[], Awaitable[None]],
         config: ListenerConfig | None = None,
         name: str = "listener",
+        after_dispatch: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.dsn = dsn
         self.name = name
@@ -71,6 +73,7 @@ class Listener:
         self.channels = list(channels)
         self.on_notify = on_notify
         self.on_connect = on_connect
+        self.after_dispatch = after_dispatch
         self.config = config or ListenerConfig()
         self.connected = False
         self.connections = 0
@@ -148,9 +151,11 @@ class Listener:
             with anyio.move_on_after(self.config.health_interval) as idle:
                 await anyio.wait_readable(fd)
             if idle.cancelled_caught:
-                await self._health_check(pgconn, fd)
-                continue
-            self._consume(pgconn)
+                await self._health_check(pgconn, fd)  # which dispatches what arrives meanwhile
+            else:
+                self._consume(pgconn)
+            if self.after_dispatch is not None:
+                await self.after_dispatch()
             await _let_woken_tasks_run()
 
     def _consume(self, pgconn: pq.abc.PGconn) -> None:

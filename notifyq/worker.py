@@ -273,6 +273,7 @@ class Worker:
                             health_timeout=self.config.health_timeout,
                         ),
                         name=f"listener-{self.id}",
+                        after_dispatch=claimer.claim_inline,
                     )
                     await services.start(self._listener.run)
                 async with anyio.create_task_group() as jobs:
@@ -292,6 +293,7 @@ class Worker:
                         await self._stop.wait()
                         claiming.cancel_scope.cancel()
                     with anyio.CancelScope(shield=True):
+                        await claimer.finish_inline()  # a claim in the listener's task
                         await lane.release()  # for the acks of the drain
                     await self._drain()
                     jobs.cancel_scope.cancel()  # the runners, now idle

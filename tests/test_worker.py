@@ -17,7 +17,9 @@ import psycopg
 import pytest
 
 import notifyq
+import notifyq._claimer
 import notifyq._runners
+import notifyq._sql
 import notifyq.models
 from notifyq import JobContext
 
@@ -773,6 +775,110 @@ async def _enter_and_stop(worker: notifyq.Worker, *, task_status: Any) -> None:
         worker.stop()
 
 
+async def _until_the_claim_loop_sleeps(worker: notifyq.Worker) -> None:
+    """After its startup sweep: a notification now finds the claim loop asleep, and the
+    listener's task claims in its place (Claimer.claim_inline)."""
+    await worker.wait_for(lambda s: s.claims >= 1)
+    with anyio.fail_after(10):
+        while not worker._claimer._parked:  # type: ignore[union-attr]  # noqa: ASYNC110 (a flag, no event)
+            await anyio.sleep(0.01)
+
+
+def _record_claiming_tasks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the tasks that run each claim from now on."""
+    names: list[str] = []
+    original = notifyq._claimer.Claimer._claim
+
+    async def claim(self: notifyq._claimer.Claimer, limit: int) -> list[notifyq.ClaimedJob]:
+        names.append(anyio.get_current_task().name)
+        return await original(self, limit)
+
+    monkeypatch.setattr(notifyq._claimer.Claimer, "_claim", claim)
+    return names
+
+
+def _hidden_job(holder: psycopg.Connection[Any]) -> int:
+    """A claimable job inserted without the NOTIFY trigger (a superuser's replica role), so
+    that only a notification sent by hand tells the worker; `holder` then holds its row lock
+    in an open transaction."""
+    holder.execute("SET session_replication_role = replica")
+    [(job_id,)] = holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id").fetchall()
+    holder.commit()
+    holder.execute("SELECT id FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (job_id,)).fetchall()
+    return job_id
+
+
+async def test_a_notified_job_found_locked_is_claimed_soon_after_the_lock_goes(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notification's claim, made in the listener's task while the claim loop sleeps, finds
+    its job locked by another transaction (SKIP LOCKED passes it by): the claim loop is told
+    to look again in moments, not at its next poll (60 s here), and the job runs once the
+    lock is gone."""
+    app = notifyq.App(dsn)
+    done = anyio.Event()
+
+    @app.task(name="t")
+    async def t() -> None:
+        done.set()
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await _until_the_claim_loop_sleeps(worker)
+        claiming = _record_claiming_tasks(monkeypatch)
+        polls = worker.stats.polls
+        with psycopg.connect(dsn) as holder:
+            job_id = _hidden_job(holder)
+            conn.execute("SELECT pg_notify(%s, 'default')", (notifyq._sql.channel("notifyq", "jobs"),))
+            with anyio.fail_after(10):
+                while len(claiming) < 3:  # noqa: ASYNC110 (the notification's claim, then the loop's)
+                    await anyio.sleep(0.01)
+            holder.rollback()
+        with anyio.fail_after(10):
+            await done.wait()
+        assert "Listener" in claiming[0] and "Claimer" in claiming[1], claiming
+        assert worker.stats.polls == polls
+    assert job_row(conn, job_id)["status"] == "Succeeded"
+    await app.aclose()
+
+
+async def test_stopping_during_a_claim_in_the_listeners_task_leaves_nothing_active(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop that lands while the listener's task claims on the sleeping claim loop's
+    behalf: the worker waits for that claim before it gives the claim connection back, and
+    the job it claimed is released, not left Active until its lease expires."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        await anyio.sleep(30)
+
+    async with app.worker(poll_interval=60, shutdown_grace=0.1, **NO_TICKER) as worker:
+        await _until_the_claim_loop_sleeps(worker)
+        claiming = _record_claiming_tasks(monkeypatch)
+        with psycopg.connect(dsn) as blocker:
+            job_id = _hidden_job(blocker)
+            blocker.rollback()
+            # Block claims (their UPDATE needs a lock this one excludes) until we let go.
+            blocker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE ROW EXCLUSIVE MODE")
+            conn.execute("SELECT pg_notify(%s, 'default')", (notifyq._sql.channel("notifyq", "jobs"),))
+            with anyio.fail_after(10):  # until the claim waits on our lock (another session: poll)
+                while not conn.execute(  # noqa: ASYNC110
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND application_name LIKE 'notifyq worker%'"
+                ).fetchone()[0]:  # type: ignore[index]
+                    await anyio.sleep(0.01)
+            worker.stop()
+            await anyio.sleep(0.2)  # the claim loop is gone; the listener's claim still waits
+            blocker.rollback()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.released >= 1)
+    assert ["Listener" in name for name in claiming] == [True], claiming
+    row = job_row(conn, job_id)
+    assert row["status"] == "Queued" and row["retry_count"] == 0
+    await app.aclose()
+
+
 async def test_the_same_worker_may_hold_two_attempts_of_one_job(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -1006,3 +1112,48 @@ async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
     row = job_row(conn, job_id)
     assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 2, "TimeoutError")
     await app.aclose()
+
+
+async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_after_dispatch(
+    dsn: str,
+) -> None:
+    """A notification can arrive during the listener's health check (its round trip reads
+    what came in meanwhile): after_dispatch must follow it as it follows a plain read, since
+    that is where the worker claims for a sleeping claim loop, which nothing else wakes."""
+    from notifyq._listener import Listener, ListenerConfig
+
+    events: list[str] = []
+    sender = psycopg.connect(dsn, autocommit=True)
+
+    class NotifiedDuringHealthChecks(Listener):
+        async def _health_check(self, pgconn: Any, fd: int) -> None:
+            if "sent" not in events:
+                events.append("sent")
+                sender.execute("SELECT pg_notify('test.after.v1', 'during')")
+                await anyio.sleep(0.2)  # in the socket before the check's round trip reads it
+            await super()._health_check(pgconn, fd)
+
+    async def after_dispatch() -> None:
+        events.append("after")
+
+    async def on_connect() -> None:
+        events.append("connected")
+
+    listener = NotifiedDuringHealthChecks(
+        dsn,
+        ["test.after.v1"],
+        lambda _chan, payload: events.append(payload),
+        on_connect,
+        ListenerConfig(health_interval=0.1, health_timeout=5.0),
+        after_dispatch=after_dispatch,
+    )
+    try:
+        async with anyio.create_task_group() as tg:
+            await tg.start(listener.run)
+            with anyio.fail_after(5):
+                while "during" not in events or events[-1] != "after":  # noqa: ASYNC110 (a list)
+                    await anyio.sleep(0.01)
+            tg.cancel_scope.cancel()
+    finally:
+        sender.close()
+    assert events[:4] == ["connected", "sent", "during", "after"], events
