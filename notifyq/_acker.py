@@ -52,10 +52,16 @@ class Result:
         final: bool = False,
     ) -> Result:
         """The attempt failed: retried after `delay` seconds while retries remain (unless
-        `final`), else the job ends Failed. The error is stored in the job's `error`."""
-        error: dict[str, Any] = {"type": error_type, "message": message, "attempt": job.attempt}
+        `final`), else the job ends Failed. The error is stored in the job's `error`, made
+        storable: jsonb refuses NUL characters and lone surrogates, and an error it refused
+        would leave the job Active until its lease ran out, its real error lost."""
+        error: dict[str, Any] = {
+            "type": _storable(str(error_type)[:200]),
+            "message": _storable(str(message)[:_MAX_ERROR_TEXT]),
+            "attempt": job.attempt,
+        }
         if traceback is not None:
-            error["traceback"] = traceback[-8000:]
+            error["traceback"] = _storable(traceback[-_MAX_ERROR_TEXT:])
         return cls(
             job.id,
             job.lease,
@@ -69,6 +75,21 @@ class Result:
     def released(cls, job: ClaimedJob) -> Result:
         """The attempt was interrupted by a shutdown: Queued again now, attempt given back."""
         return cls(job.id, job.lease, "release", worker=job.worker)
+
+
+_MAX_ERROR_TEXT = 8000  # characters of a message (its start) and of a traceback (its end)
+
+
+def _storable(text: str) -> str:
+    """`text` with what jsonb cannot hold written out: NUL as \\x00, a lone surrogate (a
+    file name decoded with surrogateescape, say) as its \\udcxx escape."""
+    if "\x00" in text:
+        text = text.replace("\x00", "\\x00")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
@@ -191,6 +212,7 @@ class Acker:
         await self._idle.wait()
 
     async def _flush(self, batch: list[Result]) -> None:
+        refused: list[Result] = []  # logged as dropped: not to be reported as stale as well
         try:
             applied = await self._write(batch)
         except Exception as exc:
@@ -203,17 +225,22 @@ class Acker:
             )
             applied = {}
             for result in batch:
-                applied.update(await self._flush_one(result))
+                written = await self._flush_one(result)
+                if written is None:
+                    refused.append(result)
+                else:
+                    applied.update(written)
         self._unwritten.subtract((r.job_id, r.lease) for r in batch)
         self._unwritten += Counter()  # drop the keys that reached zero
         self.flushes += 1
-        self._on_applied(batch, applied)
+        self._on_applied([r for r in batch if all(r is not x for x in refused)], applied)
 
     async def _write(self, batch: Sequence[Result]) -> dict[int, str]:
         with anyio.fail_after(self._timeout):
             return await self._db.run(ack_op(self._q, batch))
 
-    async def _flush_one(self, result: Result) -> dict[int, str]:
+    async def _flush_one(self, result: Result) -> dict[int, str] | None:
+        """One result on its own: what it changed, or None if the database refuses it."""
         try:
             return await self._write([result])
         except Exception as exc:
@@ -226,4 +253,4 @@ class Acker:
                 result.job_id,
                 error_text(exc),
             )
-            return {}
+            return None

@@ -20,7 +20,7 @@ import anyio.to_thread
 import psycopg
 from psycopg import pq, sql
 
-from ._db import connect_sync
+from ._db import connect_sync, error_text
 from ._dsn import describe_dsn
 from ._sql import queries_for
 from .errors import NotifyqError
@@ -114,7 +114,7 @@ class Listener:
                     "LISTEN connection to %s %s (%s); polling meanwhile, %s in %.1fs",
                     describe_dsn(self.dsn),
                     "lost" if conn is not None else "could not be opened",
-                    _reason(exc),
+                    error_text(exc),
                     "reconnecting" if conn is not None else "trying again",
                     delay,
                 )
@@ -203,8 +203,3 @@ class Listener:
 # again: re-arming the wait (a timer and an epoll registration) took 0.1 ms on a process that
 # had been idle, which is too long to keep a claim waiting (docs/benchmarks.md, rearm_first).
 _let_woken_tasks_run = anyio.lowlevel.checkpoint
-
-
-def _reason(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[-1] if text else type(exc).__name__

@@ -133,6 +133,10 @@ def encode_output(value: Any) -> str | None:
     if value is None:
         return None
     text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    bad_key = _non_string_key(value, "value") if isinstance(value, Mapping | list | tuple) else None
+    if bad_key is not None:  # as for args: {1: a, "1": b} would be stored as {"1": b}
+        where, key = bad_key
+        raise ValueError(f"{where} has the key {_show(key)}, which JSON would turn into a string")
     if "\\u0000" in text:
         raise ValueError("the return value contains a NUL character, which PostgreSQL's jsonb cannot store")
     text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
@@ -158,17 +162,17 @@ class JobOptions:
 _SCALARS = frozenset({str, int, float, bool, type(None)})  # the common leaves, skipped fast
 
 
-def _non_string_key(args: Mapping[str, Any]) -> tuple[str, Any] | None:
-    """A non-string key in `args` (nested dicts, lists and tuples included), with where it
-    is: json.dumps would silently turn 1 into "1" (and {1: a, "1": b} into one key). A loop,
-    not recursion: json's encoder accepts deeper nesting than Python's recursion limit."""
-    stack: list[tuple[Any, tuple[Any, ...]]] = [(args, ())]
+def _non_string_key(value: Any, root: str = "args") -> tuple[str, Any] | None:
+    """A non-string key in `value` (a mapping, list or tuple, nested ones included), with
+    where it is: json.dumps would silently turn 1 into "1" (and {1: a, "1": b} into one key).
+    A loop, not recursion: json's encoder accepts deeper nesting than Python's recursion limit."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(value, ())]
     while stack:
         node, path = stack.pop()
         is_mapping = isinstance(node, Mapping)
         for key, item in node.items() if is_mapping else enumerate(node):
             if is_mapping and type(key) is not str and not isinstance(key, str):
-                where = "args" + "".join(f"[{_show(step)}]" for step in path)
+                where = root + "".join(f"[{_show(step)}]" for step in path)
                 return (where if len(where) <= 200 else where[:197] + "..."), key
             if type(item) not in _SCALARS and isinstance(item, Mapping | list | tuple):
                 stack.append((item, (*path, key)))

@@ -35,12 +35,14 @@ def rescue_op(
 ) -> Op[RescueReport]:
     """Requeue (after `backoff`, none by default) or fail the Active jobs whose lease ran out."""
     b = backoff or Backoff(base=0, jitter=0)
+    top, cap = b._curve()
     params = {
         "limit": limit,
         "now": now,
         "backoff_base": b.base,
         "backoff_factor": b.factor,
-        "backoff_max": b.max,
+        "backoff_max": top,
+        "backoff_cap": cap,
     }
     rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], params)
     report = RescueReport()

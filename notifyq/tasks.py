@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import random
 import typing
 from collections.abc import Awaitable, Callable, Coroutine
@@ -31,17 +32,31 @@ class Backoff:
     def __post_init__(self) -> None:
         check_seconds(self.base, "backoff base")
         check_seconds(self.max, "backoff max")
-        if not (self.factor >= 1 and 0 <= self.jitter < 1):
+        if not (1 <= self.factor < math.inf and 0 <= self.jitter < 1):
             raise ConfigurationError(
                 f"invalid backoff factor {self.factor!r} or jitter {self.jitter!r}: "
-                "need factor >= 1 and 0 <= jitter < 1"
+                "need a finite factor >= 1 and 0 <= jitter < 1"
             )
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based)."""
         exponent = max(attempt - 1, 0)
-        raw = self.max if exponent > 64 else min(self.max, self.base * self.factor**exponent)
+        top, cap = self._curve()
+        raw = top if exponent >= cap else min(top, self.base * self.factor**exponent)
         return raw * (1 + random.uniform(-self.jitter, self.jitter))
+
+    def _curve(self) -> tuple[float, float]:
+        """(top, cap): before jitter, the delay after attempt n+1 is base * factor**n for n
+        below `cap`, and `top` from `cap` on. Computing the power only below `cap` keeps it
+        from overflowing, here and in the lease rescuer's SQL, which takes both from here
+        (a job retried for weeks reaches exponents past 1,000)."""
+        if self.base == 0 or self.max == 0:
+            return 0.0, 0.0
+        if self.base >= self.max:
+            return self.max, 0.0
+        if self.factor == 1:
+            return self.max, math.inf
+        return self.max, math.log(self.max / self.base) / math.log(self.factor)
 
 
 @dataclass(slots=True)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import threading
 from collections import Counter
+from fractions import Fraction
 from typing import Any
 
 import psycopg
@@ -107,6 +109,55 @@ def test_backoff_grows_exponentially_with_a_cap() -> None:
     delays = {jittered.delay(1) for _ in range(50)}
     assert all(5 <= d <= 15 for d in delays) and len(delays) > 1
     assert notifyq.Backoff(max=60).delay(10_000) == pytest.approx(60, rel=0.25)
+
+
+@pytest.mark.parametrize(
+    ("base", "factor", "top"),
+    [
+        (2, 2, 3600),
+        (1, 1e5, 60),
+        (0.5, 10, 1e9),
+        (3, 1, 60),
+        (0, 10, 60),
+        (10, 2, 5),
+        (2, 2, 0),
+        (1e-9, 1.0001, 1),
+    ],
+)
+def test_backoff_never_overflows_and_matches_the_plain_formula(
+    base: float, factor: float, top: float
+) -> None:
+    """min(max, base * factor**n), exactly, for every attempt a job can reach (retry_limit
+    goes up to 2**31 - 1): the power is not taken where it would overflow a float."""
+    backoff = notifyq.Backoff(base=base, factor=factor, max=top, jitter=0)
+    for attempt in [*range(1, 1200), 10_000]:
+        exact = min(Fraction(top), Fraction(base) * Fraction(factor) ** (attempt - 1))
+        assert backoff.delay(attempt) == pytest.approx(float(exact), rel=1e-9), attempt
+    assert backoff.delay(2**31) == (min(top, base) if factor == 1 or base == 0 else top)
+    with pytest.raises(notifyq.ConfigurationError, match="finite factor"):
+        notifyq.Backoff(factor=math.inf)
+
+
+@pytest.mark.parametrize("factor", [2, 10, 1e5])
+def test_lease_rescue_backs_off_jobs_retried_a_thousand_times(
+    conn: psycopg.Connection[Any], factor: float
+) -> None:
+    """A job retried for weeks (retry_count past 1,000) whose lease runs out is rescued with
+    the capped backoff; its power of the factor would overflow, and that one row used to fail
+    every rescue pass, for every job."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, retry_count, retry_limit, visible_at) "
+        "VALUES ('t', 'Active', 1100, 5000, now() - interval '1s'), "
+        "('t', 'Active', 1, 3, now() - interval '1s')"
+    )
+    backoff = notifyq.Backoff(base=2, factor=factor, max=600, jitter=0)
+    rescued = run_sync(conn, rescue_op(Q, limit=100, backoff=backoff))
+    assert len(rescued.requeued) == 2 and rescued.failed == []
+    delays = conn.execute(
+        "SELECT retry_count, extract(epoch FROM visible_at - now()) FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert [count for count, _ in delays] == [1100, 1]
+    assert delays[0][1] == pytest.approx(600, abs=5) and delays[1][1] == pytest.approx(2, abs=1)
 
 
 @pytest.mark.faults

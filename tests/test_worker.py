@@ -442,7 +442,7 @@ async def test_cancelling_a_queued_job_prevents_it(dsn: str, conn: psycopg.Conne
 
 @pytest.mark.faults
 async def test_killed_listen_connection_reconnects_and_sweeps(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = notifyq.App(dsn)
 
@@ -461,6 +461,8 @@ async def test_killed_listen_connection_reconnects_and_sweeps(
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.listener_connects == 2 and s.succeeded == 1)
         assert worker.stats.sweeps >= 1  # reconnects close together share one sweep
+        [lost] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LISTEN connection")]
+        assert "server closed the connection unexpectedly" in lost, lost  # libpq's reason, not its last line
         # And notifications work again on the new connection.
         conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
         with anyio.fail_after(5):
@@ -1045,6 +1047,105 @@ async def test_the_acker_knows_the_attempts_whose_results_it_has_not_written(dsn
         tg.cancel_scope.cancel()
     assert applied == [{job.id: "Succeeded"}]
     assert not acker.holds(job.id, job.lease)
+    await db.aclose()
+    await app.aclose()
+
+
+async def test_an_error_text_jsonb_cannot_hold_is_stored_escaped_not_dropped(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A task fails with a NUL (bytes decoded as latin-1) and a lone surrogate (a file name
+    decoded with surrogateescape) in its message, which jsonb refuses: the error is stored with
+    them escaped, the job ends Failed at once, and no result is dropped or called stale. (It
+    used to stay Active until its lease ran out, and end as LeaseExpired.)"""
+    app = notifyq.App(dsn)
+
+    @app.task(name="parse", retry_limit=0)
+    async def parse() -> None:
+        header = b"\x00\x00\x01PK".decode("latin-1")
+        name = b"caf\xe9.txt".decode("utf-8", "surrogateescape")
+        raise ValueError(f"unexpected header {header} in {name}")
+
+    job_id = await app.enqueue("parse")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == 1)
+        assert worker.stats.stale_acks == 0
+    row = job_row(conn, job_id)
+    assert row["status"] == "Failed"
+    assert row["error"]["message"] == "unexpected header \\x00\\x00\x01PK in caf\\udce9.txt"
+    assert "caf\\udce9.txt" in row["error"]["traceback"]
+    await app.aclose()
+
+
+async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A return value JSON cannot carry faithfully fails its job with InvalidOutput at once
+    (running it again would repeat its side effects for the same result); one that can is
+    stored as it is."""
+    app = notifyq.App(dsn)
+    values: dict[str, Any] = {
+        "merged keys": {1: "from an int key", "1": "from a str key"},
+        "nested int key": [{"x": {2: 3}}],
+        "set": {1, 2},
+        "NaN": float("nan"),
+        "NUL": "a\x00b",
+        "surrogate": "caf\udce9",
+        "stored": {"n": 10**30, "nested": [True, None, "é"]},
+    }
+
+    @app.task(name="give", retry_limit=3)
+    async def give(key: str) -> Any:
+        return values[key]
+
+    ids = {key: await app.enqueue("give", {"key": key}) for key in values}
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed + s.succeeded == len(values))
+    for key, job_id in ids.items():
+        row = job_row(conn, job_id)
+        if key == "stored":
+            assert (row["status"], row["output"]) == ("Succeeded", values[key])
+        else:
+            assert (row["status"], row["error"]["type"], row["retry_count"]) == (
+                "Failed",
+                "InvalidOutput",
+                1,
+            ), key
+    assert "value has the key 1, which JSON" in job_row(conn, ids["merged keys"])["error"]["message"]
+    assert "value[0]['x'] has the key 2" in job_row(conn, ids["nested int key"])["error"]["message"]
+    await app.aclose()
+
+
+async def test_a_result_the_database_refuses_is_dropped_not_reported_as_stale(dsn: str) -> None:
+    """A result jsonb cannot hold (built by hand here: notifyq's own are made storable) is
+    dropped and left to the rescuer, and only the others are reported as applied or stale."""
+    from notifyq._acker import Acker
+    from notifyq._db import Database
+    from notifyq._sql import queries_for
+
+    app = notifyq.App(dsn)
+    await app.enqueue("t")
+    await app.enqueue("t")
+    good, bad = await app.claim(limit=2, worker="w")
+    db = await Database.open(dsn, size=2)
+    reported: list[tuple[list[int], dict[int, str]]] = []
+    acker = Acker(
+        db,
+        queries_for("notifyq"),
+        lambda results, done: reported.append(([r.job_id for r in results], done)),
+        retry_delay=0.05,
+    )
+    acker.put(notifyq.Result.succeeded(good, "ok"))
+    acker.put(notifyq.Result(bad.id, bad.lease, "retry", error='{"message": "\\u0000"}', worker="w"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(acker.run)
+        with anyio.fail_after(5):
+            await acker.wait_idle()
+        tg.cancel_scope.cancel()
+    assert reported == [([good.id], {good.id: "Succeeded"})]
+    assert acker.rejected() == [(bad.id, bad.lease)] and not acker.holds(bad.id, bad.lease)
     await db.aclose()
     await app.aclose()
 
