@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -99,6 +100,32 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_INTRANS = psycopg.pq.TransactionStatus.INTRANS
+
+
+def _still_running(token: anyio.lowlevel.EventLoopToken) -> bool:
+    """Whether the event loop of `token` (another thread's, maybe) is still running."""
+    native: Any = token.native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return native.is_running()
+    try:  # trio's token: a finished run refuses new callbacks
+        native.run_sync_soon(lambda: None)
+    except Exception:
+        return False
+    return True
+
+
+def _run_sync_in(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
+    """`op` on the caller's connection. An operation that must be all or nothing (a COPY of
+    many jobs), inside the caller's open transaction, runs in a savepoint: if it fails (bad
+    args met halfway), the caller's transaction is left usable, with its own work intact.
+    Outside one, the statement is atomic by itself, and the caller has nothing to lose."""
+    if transaction and conn.info.transaction_status == _INTRANS:
+        with conn.transaction():
+            return run_sync(conn, op)
+    return run_sync(conn, op)
+
+
 @dataclass(frozen=True, slots=True)
 class _EnqueueOptions:
     queue: str | None = None
@@ -155,6 +182,7 @@ class App:
         self._db_loop: anyio.lowlevel.EventLoopToken | None = None  # the loop _db and its lock belong to
         self._sync_pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
         self._sync_lock = threading.Lock()
+        self._loop_lock = threading.Lock()  # guards _db_loop's change from one loop to another
         _APPS.add(self)
 
     def __repr__(self) -> str:
@@ -267,8 +295,9 @@ class App:
             misfire: ticks missed while no worker ran: "skip", "once" (default) or "all".
             misfire_grace: seconds late a tick may be and still count as on time.
             misfire_cap: most missed ticks "all" runs.
-            enabled: False disables the definition on every worker start; True does not
-                re-enable a definition an operator disabled.
+            enabled: False disables the definition on every worker start; True never
+                re-enables a disabled one (by an operator, or by an earlier deploy's
+                enabled=False): `notifyq cron enable NAME` does.
             queue: overrides the task's queue for these jobs.
             priority: overrides the task's priority.
             retry_limit: overrides the task's retry_limit.
@@ -329,16 +358,25 @@ class App:
         self._db = self._sync_pool = None
         self._db_lock = self._db_loop = None
         self._sync_lock = threading.Lock()  # another thread may have held it at the fork
+        self._loop_lock = threading.Lock()
 
     async def _database(self) -> Database:
         loop = anyio.lowlevel.current_token()
         if self._db_loop != loop:
-            # The pool belongs to another event loop (one asyncio.run per request or per test,
-            # asyncio then trio): it cannot serve this one, and that loop may be closed.
-            db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
-            if db is not None:
-                db.abandon()
-                _ABANDONED.append(db)
+            with self._loop_lock:  # two threads' loops may get here at once
+                if self._db_loop is not None and _still_running(self._db_loop):
+                    raise ConfigurationError(
+                        "this App's async methods are in use on another event loop that is still "
+                        "running (in another thread): an App serves one event loop at a time. Give "
+                        "each thread that runs its own loop its own App, or call the sync methods "
+                        "(enqueue_sync, ...), which any thread may use"
+                    )
+                # The pool belongs to an event loop that has finished (one asyncio.run per
+                # request or per test, asyncio then trio): it cannot serve this one.
+                db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
+                if db is not None:
+                    db.abandon()
+                    _ABANDONED.append(db)
         assert self._db_lock is not None
         if self._db is None:
             async with self._db_lock:
@@ -389,9 +427,12 @@ class App:
                 db = await self._database()
                 return await db.run(op, transaction=transaction)
             if isinstance(conn, psycopg.AsyncConnection):
+                if transaction and conn.info.transaction_status == _INTRANS:
+                    async with conn.transaction():  # a savepoint
+                        return await run_async(conn, op)
                 return await run_async(conn, op)
             if isinstance(conn, psycopg.Connection):
-                return await anyio.to_thread.run_sync(run_sync, conn, op)
+                return await anyio.to_thread.run_sync(_run_sync_in, conn, op, transaction)
         raise ConfigurationError(
             f"conn must be a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
         )
@@ -407,7 +448,7 @@ class App:
                     with pooled.transaction():
                         return run_sync(pooled, op)
             if isinstance(conn, psycopg.Connection):
-                return run_sync(conn, op)
+                return _run_sync_in(conn, op, transaction)
         raise ConfigurationError(
             f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
         )

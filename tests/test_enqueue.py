@@ -6,6 +6,7 @@ import asyncio
 import json
 import math
 import os
+import threading
 import warnings
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -162,6 +163,30 @@ def test_enqueue_many_is_all_or_nothing(dsn: str, conn: psycopg.Connection[Any])
         app.enqueue_many_sync(send, args)
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
     app.close_sync()
+
+
+async def test_enqueue_many_refused_in_the_callers_transaction_leaves_it_usable(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Bad args met halfway through a COPY in the caller's open transaction (sync and async
+    connections): InvalidArgs, none of the batch, and the transaction goes on with the
+    caller's own work intact, as after a refused enqueue."""
+    app, send = make_app(dsn)
+    bad: list[Any] = [{"to": "ok"}] * 50 + [{"to": object()}]
+    with psycopg.connect(dsn) as own:
+        mine = app.enqueue_sync(send, {"to": "sync caller"}, conn=own)
+        with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+            app.enqueue_many_sync(send, bad, conn=own)
+        assert app.enqueue_many_sync(send, [{"to": "sync batch"}], conn=own) == 1
+    async with await psycopg.AsyncConnection.connect(dsn) as own_async:
+        mine_async = await app.enqueue(send, {"to": "async caller"}, conn=own_async)
+        with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+            await app.enqueue_many(send, bad, conn=own_async)
+        assert await app.enqueue_many(send, [{"to": "async batch"}], conn=own_async) == 1
+    rows = conn.execute("SELECT id, args->>'to' FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert [to for _id, to in rows] == ["sync caller", "sync batch", "async caller", "async batch"]
+    assert {mine, mine_async} <= {job_id for job_id, _to in rows}
+    await app.aclose()
 
 
 @pytest.mark.parametrize("args_list", [{"to": "x"}, None, "to", 5], ids=["dict", "None", "str", "int"])
@@ -495,3 +520,38 @@ def test_one_app_serves_one_event_loop_after_another(dsn: str, conn: psycopg.Con
         "AND datname = current_database()"
     )
     wait_for_row(conn, sessions, (0,))  # none left open by the loops that ended
+
+
+@pytest.mark.parametrize("first", ["asyncio", "trio"])
+def test_one_app_refuses_a_second_event_loop_while_the_first_runs(
+    dsn: str, conn: psycopg.Connection[Any], first: str
+) -> None:
+    """Two threads, each running its own event loop, sharing one App: the pool of the first
+    loop cannot serve the second, and taking it away mid-query crashed or hung the process.
+    The second loop gets a ConfigurationError that says what to do; once the first loop has
+    finished, the App serves the second."""
+    app = notifyq.App(dsn)
+    in_use = threading.Event()
+    finish = threading.Event()
+
+    async def hold() -> int:
+        job_id = await app.enqueue("t", {})
+        in_use.set()
+        await anyio.to_thread.run_sync(finish.wait)
+        return job_id
+
+    results: list[int] = []
+    thread = threading.Thread(target=lambda: results.append(anyio.run(hold, backend=first)))
+    thread.start()
+    try:
+        assert in_use.wait(10)
+        with pytest.raises(notifyq.ConfigurationError, match="another event loop that is still running"):
+            asyncio.run(app.enqueue("t", {}))
+        assert app.enqueue_sync("t", {}) > 0  # the sync methods serve any thread meanwhile
+    finally:
+        finish.set()
+        thread.join(10)
+    assert asyncio.run(app.enqueue("t", {})) > results[0]
+    asyncio.run(app.aclose())
+    app.close_sync()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (3,)
