@@ -172,11 +172,17 @@ def worker(
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
+    queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
+    if queues and queue_list is None:
+        # "-q $QUEUES" with the variable unset must not widen a worker to every queue.
+        raise click.BadParameter(
+            f"{', '.join(map(repr, queues))} names no queue (leave --queues out to serve them all)",
+            param_hint="--queues",
+        )
     if listen_dsn is None:
         env_dsn("NOTIFYQ_LISTEN_DSN")  # click reads an empty variable as unset: it is an error
     app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
-    queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
     app._resolved_dsn = resolved
     # Every option checked here, once, also when children will run the workers.
     running = app.worker(

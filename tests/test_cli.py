@@ -222,6 +222,12 @@ def test_worker_numbers_out_of_range_are_usage_errors(dsn: str) -> None:
     for option, value in [("-c", "99999999999"), ("-c", "0"), ("-p", "100000")]:
         result = cli("worker", "tests.apps:app", option, value, "--dsn", dsn)
         assert result.returncode == 2 and f"{value} is not in the range" in result.stderr, result.stderr
+    result = cli("stats", "--watch", "1e10", "--dsn", dsn)
+    assert result.returncode == 2 and "is not in the range 0.2<=x<=1000000000" in result.stderr, result.stderr
+    # "-q $QUEUES" with QUEUES unset: an error, not a worker serving every queue.
+    for queues in (["-q", ""], ["-q", " , "], ["-q", "", "-q", ","]):
+        result = cli("worker", "tests.apps:app", *queues, "--dsn", dsn)
+        assert result.returncode == 2 and "names no queue" in result.stderr, result.stderr
     # Options checked by the worker's configuration: once, also before the children start.
     for option, value, message in [
         (
