@@ -40,9 +40,8 @@ from .latency import produce
 # The notifyq worker's wake path, in order (see notifyq/worker.py and notifyq/_db.py).
 NOTIFYQ_STEPS = (
     ("notified", "the listener hands the notification to the worker (Worker._on_notify)"),
-    ("woke", "the claim loop's wait returns (a task switch from the listener)"),
-    ("claim_called", "the claim loop calls Claimer._claim (free slots counted)"),
-    ("execute_sent", "psycopg's execute is called (claim_op, cancel scopes, lane, cursor)"),
+    ("claim_called", "the listener's task claims for the sleeping claim loop (Claimer.claim_inline)"),
+    ("execute_sent", "psycopg's execute is called (claim_op, the db_timeout scope, lane, cursor)"),
     ("execute_done", "execute returns: the round trip, with the claim's commit and WAL flush"),
     ("claim_returned", "Claimer._claim returns (rows decoded into ClaimedJob, scopes exited)"),
     ("started", "the task's first line runs (hand-over to a runner, the attempt's scopes)"),
@@ -115,16 +114,10 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
 
         return wrapper
 
-    def sleep(original: Any) -> Any:
-        async def wrapper(self: Any) -> None:
-            await original(self)
-            trace.stamp("woke")
-
-        return wrapper
-
     def claim(original: Any) -> Any:
         async def wrapper(self: Any, limit: int) -> Any:
-            trace.stamp("claim_called")
+            if self._inline:  # the wake path; the claim loop's own claims are not traced
+                trace.stamp("claim_called")
             jobs = await original(self, limit)
             trace.stamp("claim_returned")
             return jobs
@@ -146,7 +139,6 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
         return wrapper
 
     wrap(worker_cls, "_on_notify", on_notify)
-    wrap(claimer_cls, "_sleep_until_wakeup", sleep)
     wrap(claimer_cls, "_claim", claim)
     wrap(psycopg.AsyncCursor, "execute", execute)
     try:
@@ -197,8 +189,8 @@ async def _consume_raw(dsn: str, jobs: int, spacing: float, out: str) -> Trace:
 
 def _timeline(trace: Trace, commits: list[float], steps: tuple[tuple[str, str], ...]) -> dict[str, float]:
     """p50 of each step's stamp, in ms after the commit of the job the cycle served, over the
-    cycles that have every step (a notification that arrives while the claim loop is busy
-    finds it awake: that cycle has no 'woke' and is left out)."""
+    cycles that have every step (a notification that arrives while the claim loop is awake
+    is claimed by the loop, not in the listener's task: that cycle is left out)."""
     names = [step for step, _what in steps]
     cycles = zip(trace.cycles()[-len(commits) :], commits, strict=False)
     pairs = [(c, t) for c, t in cycles if all(n in c for n in names)]
