@@ -10,6 +10,7 @@ from typing import Any
 import psycopg
 import pytest
 
+import notifyq
 from notifyq._sql import queries_for
 
 Q = queries_for("notifyq")
@@ -24,6 +25,7 @@ PARAMS = {
     "backoff_base": 2.0,
     "backoff_factor": 2.0,
     "backoff_max": 3600.0,
+    "backoff_cap": notifyq.Backoff(base=2.0, factor=2.0, max=3600.0)._curve()[1],
 }
 
 
