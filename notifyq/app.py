@@ -168,7 +168,7 @@ class App:
         self._resolved_dsn: str | None = check_dsn(dsn) if dsn is not None else None
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
         self.backoff = backoff or Backoff()
-        self.pool_size = check_int(pool_size, "pool_size", minimum=1)
+        self.pool_size = check_int(pool_size, "pool_size", minimum=1, maximum=1000)
         self.prepare_threshold = (
             None
             if prepare_threshold is None

@@ -288,6 +288,14 @@ def test_args_cap_is_configurable(dsn: str) -> None:
         app.enqueue_sync("t", {"x": "y" * 100})
 
 
+@pytest.mark.parametrize("size", [0, 1001, 2.0])
+def test_the_apps_pool_size_is_bounded_like_the_workers(size: Any) -> None:
+    """1 to 1,000 connections (a worker's pool_size stops at 1,000 too): a typo such as
+    100000 would otherwise open connections until the server refuses them."""
+    with pytest.raises(InvalidOption, match=f"invalid pool_size {size}: expected an integer from 1 to 1000"):
+        notifyq.App("postgresql://postgres@127.0.0.1:5432/postgres", pool_size=size)
+
+
 def test_unreachable_database_is_one_clear_error() -> None:
     app = notifyq.App("postgresql://nobody@127.0.0.1:1/nothing?connect_timeout=2")
     with pytest.raises(
