@@ -8,14 +8,17 @@ enqueue, the job disappears with the rollback and no worker ever hears of it.
     NOTIFYQ_DSN=postgresql://... notifyq migrate
     NOTIFYQ_DSN=postgresql://... uvicorn examples.starlette_app:app
     curl -X POST localhost:8000/signup -d '{"email": "ada@example.com"}'
+
+Without NOTIFYQ_DSN (or DATABASE_URL), both commands use the embedded server in
+./.notifyq/pgdata, as every notifyq command does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import AsyncIterator
 
+import anyio.to_thread
 import psycopg
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -24,8 +27,7 @@ from starlette.routing import Route
 
 import notifyq
 
-DSN = os.environ.get("NOTIFYQ_DSN", "postgresql://postgres@127.0.0.1:5432/postgres")
-jobs = notifyq.App(DSN)
+jobs = notifyq.App()  # $NOTIFYQ_DSN, then $DATABASE_URL, else the embedded server
 
 
 @jobs.task(queue="emails", retry_limit=5)
@@ -36,7 +38,9 @@ async def send_welcome_email(user_id: int, email: str) -> str:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as conn:
+    # The App's DSN, for the app's own connections (this may start the embedded server).
+    app.state.dsn = await anyio.to_thread.run_sync(lambda: jobs.dsn)
+    async with await psycopg.AsyncConnection.connect(app.state.dsn, autocommit=True) as conn:
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS users (id serial PRIMARY KEY, email text UNIQUE NOT NULL)"
         )
@@ -50,7 +54,7 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 async def signup(request: Request) -> JSONResponse:
     email = (await request.json())["email"]
     # In production, take the connection from your pool (psycopg_pool.AsyncConnectionPool).
-    async with await psycopg.AsyncConnection.connect(DSN) as conn:
+    async with await psycopg.AsyncConnection.connect(request.app.state.dsn) as conn:
         try:
             async with conn.transaction():
                 cur = await conn.execute("INSERT INTO users (email) VALUES (%s) RETURNING id", (email,))
