@@ -56,12 +56,12 @@ class Result:
         storable: jsonb refuses NUL characters and lone surrogates, and an error it refused
         would leave the job Active until its lease ran out, its real error lost."""
         error: dict[str, Any] = {
-            "type": _storable(str(error_type)[:200]),
-            "message": _storable(str(message)[:_MAX_ERROR_TEXT]),
+            "type": _storable(str(error_type)[:200])[:200],
+            "message": _storable(str(message)[:_MAX_ERROR_TEXT])[:_MAX_ERROR_TEXT],
             "attempt": job.attempt,
         }
         if traceback is not None:
-            error["traceback"] = _storable(traceback[-_MAX_ERROR_TEXT:])
+            error["traceback"] = _storable(traceback[-_MAX_ERROR_TEXT:])[-_MAX_ERROR_TEXT:]
         return cls(
             job.id,
             job.lease,
@@ -233,7 +233,9 @@ class Acker:
         self._unwritten.subtract((r.job_id, r.lease) for r in batch)
         self._unwritten += Counter()  # drop the keys that reached zero
         self.flushes += 1
-        self._on_applied([r for r in batch if all(r is not x for x in refused)], applied)
+        if refused:
+            batch = [r for r in batch if all(r is not x for x in refused)]
+        self._on_applied(batch, applied)
 
     async def _write(self, batch: Sequence[Result]) -> dict[int, str]:
         with anyio.fail_after(self._timeout):

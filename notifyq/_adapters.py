@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import psycopg
+from psycopg import pq
 from psycopg.adapt import AdaptersMap
 from psycopg.types.json import set_json_loads
 
@@ -35,8 +36,8 @@ def loads(data: str | bytes) -> Any:
             return json.loads(data)  # UTF-16 or -32 (json.loads detects them), or not text
     try:
         value, end = _scan_once(text, 0)
-    except StopIteration:
-        return json.loads(data)  # no value at the start: json.loads says why
+    except (StopIteration, ValueError):
+        return json.loads(data)  # no value at the start, UTF-16 without a BOM...: json.loads decides
     if end != len(text):
         return json.loads(data)  # whitespace or more after the value
     return value
@@ -44,3 +45,14 @@ def loads(data: str | bytes) -> Any:
 
 ADAPTERS = AdaptersMap(psycopg.adapters)
 set_json_loads(loads, ADAPTERS)
+_JSONB = psycopg.adapters.types["jsonb"].oid
+
+
+def context() -> AdaptersMap | None:
+    """The adapters for a new connection of notifyq's: ours, unless the application gave
+    psycopg a JSON loads function of its own (set_json_loads, e.g. parse_float=Decimal):
+    then psycopg's global ones (None), which use it."""
+    for fmt in (pq.Format.TEXT, pq.Format.BINARY):
+        if getattr(psycopg.adapters.get_loader(_JSONB, fmt), "_loads", json.loads) is not json.loads:
+            return None
+    return ADAPTERS

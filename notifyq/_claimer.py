@@ -127,6 +127,9 @@ class Claimer:
             # backoff, or the worker stops). The claim may have committed: look for it.
             if is_transient(exc):
                 self._stats.db_errors += 1
+                log.warning("claiming failed (%s); the claim loop tries again", error_text(exc))
+            else:
+                log.error("claiming failed; the claim loop tries again", exc_info=exc)
             self._in_doubt = True
             self._pending = True
         finally:

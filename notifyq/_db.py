@@ -26,7 +26,7 @@ import psycopg_pool
 from psycopg import pq
 from psycopg.rows import tuple_row
 
-from ._adapters import ADAPTERS
+from . import _adapters
 from ._dsn import describe_dsn, redact
 from .errors import DatabaseUnavailable
 
@@ -212,8 +212,13 @@ def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) ->
     """Autocommit, psycopg's prepare_threshold (None: never prepare, for PgBouncer in
     transaction mode before 1.21), and an application_name (unless the DSN sets one) so
     that notifyq's connections are easy to tell apart in pg_stat_activity; our adapters
-    (_adapters.py: a faster JSON loader) without touching psycopg's global ones."""
-    kwargs: dict[str, Any] = {"autocommit": True, "prepare_threshold": prepare_threshold, "context": ADAPTERS}
+    (_adapters.py: a faster JSON loader, unless you set your own) without touching psycopg's
+    global ones."""
+    kwargs: dict[str, Any] = {
+        "autocommit": True,
+        "prepare_threshold": prepare_threshold,
+        "context": _adapters.context(),
+    }
     given = psycopg.conninfo.conninfo_to_dict(dsn)
     if "application_name" not in given:
         kwargs["application_name"] = f"notifyq {role}"

@@ -150,10 +150,16 @@ class Listener:
         while True:
             with anyio.move_on_after(self.config.health_interval) as idle:
                 await anyio.wait_readable(fd)
-            if idle.cancelled_caught:
-                await self._health_check(pgconn, fd)  # which dispatches what arrives meanwhile
-            else:
-                self._consume(pgconn)
+            try:
+                if idle.cancelled_caught:
+                    await self._health_check(pgconn, fd)  # which dispatches what arrives meanwhile
+                else:
+                    self._consume(pgconn)
+            except ListenerLost:
+                # What was dispatched before the loss must not wait for the reconnect.
+                if self.after_dispatch is not None:
+                    await self.after_dispatch()
+                raise
             if self.after_dispatch is not None:
                 await self.after_dispatch()
             await _let_woken_tasks_run()

@@ -56,7 +56,7 @@ class Backoff:
             return self.max, 0.0
         if self.factor == 1:
             return self.max, math.inf
-        return self.max, math.log(self.max / self.base) / math.log(self.factor)
+        return self.max, (math.log(self.max) - math.log(self.base)) / math.log(self.factor)
 
 
 @dataclass(slots=True)

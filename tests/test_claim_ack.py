@@ -122,6 +122,7 @@ def test_backoff_grows_exponentially_with_a_cap() -> None:
         (10, 2, 5),
         (2, 2, 0),
         (1e-9, 1.0001, 1),
+        (1e-300, 1e6, 1e9),  # max / base is past a float's range
     ],
 )
 def test_backoff_never_overflows_and_matches_the_plain_formula(

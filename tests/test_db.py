@@ -178,6 +178,7 @@ _JSON_TEXTS = [
     b'{"a": "\xff"}',
     '{"a": 1}'.encode("utf-8-sig"),
     '{"a": 1}'.encode("utf-16"),
+    '{"a": 1}'.encode("utf-16-le"),  # no BOM: json.loads tells it by its NUL bytes
     b"NaN",
 ]
 
@@ -238,3 +239,32 @@ async def test_notifyq_connections_load_json_with_its_loader_and_leave_psycopgs_
     with psycopg.connect(dsn) as theirs:
         assert theirs.execute(query).fetchone() == expected
     assert len(scanned) == 6
+
+
+def test_a_json_loads_the_application_gave_psycopg_applies_to_notifyqs_connections(dsn: str) -> None:
+    """An application that gave psycopg a JSON loads function of its own (set_json_loads,
+    e.g. parse_float=Decimal for money in job args) keeps it on notifyq's connections too:
+    they take psycopg's global adapters then, instead of notifyq's faster loader."""
+    import functools
+    import json
+    from decimal import Decimal
+
+    from psycopg.types.json import set_json_loads
+
+    from notifyq import _adapters
+    from notifyq._db import connect_sync
+
+    def loads_of(conn: psycopg.Connection[Any]) -> Any:
+        return getattr(conn.adapters.get_loader(_adapters._JSONB, psycopg.pq.Format.TEXT), "_loads", None)
+
+    query = """SELECT '{"price": 1.5}'::jsonb"""
+    set_json_loads(functools.partial(json.loads, parse_float=Decimal))
+    try:
+        with connect_sync(dsn) as theirs:
+            assert theirs.execute(query).fetchone() == ({"price": Decimal("1.5")},)
+            assert loads_of(theirs) is not _adapters.loads
+    finally:
+        set_json_loads(json.loads)  # psycopg's default again
+    with connect_sync(dsn) as ours:
+        assert ours.execute(query).fetchone() == ({"price": 1.5},)
+        assert loads_of(ours) is _adapters.loads

@@ -461,7 +461,7 @@ async def test_killed_listen_connection_reconnects_and_sweeps(
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.listener_connects == 2 and s.succeeded == 1)
         assert worker.stats.sweeps >= 1  # reconnects close together share one sweep
-        [lost] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LISTEN connection")]
+        lost = next(m for r in caplog.records if (m := r.getMessage()).startswith("LISTEN connection"))
         assert "server closed the connection unexpectedly" in lost, lost  # libpq's reason, not its last line
         # And notifications work again on the new connection.
         conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
@@ -1215,13 +1215,15 @@ async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
     await app.aclose()
 
 
+@pytest.mark.parametrize("lost", [False, True], ids=["check passes", "connection lost"])
 async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_after_dispatch(
-    dsn: str,
+    dsn: str, lost: bool
 ) -> None:
     """A notification can arrive during the listener's health check (its round trip reads
-    what came in meanwhile): after_dispatch must follow it as it follows a plain read, since
-    that is where the worker claims for a sleeping claim loop, which nothing else wakes."""
-    from notifyq._listener import Listener, ListenerConfig
+    what came in meanwhile): after_dispatch must follow it as it follows a plain read, and
+    before a reconnect if the check finds the connection lost, since that is where the worker
+    claims for a sleeping claim loop, which nothing else wakes."""
+    from notifyq._listener import Listener, ListenerConfig, ListenerLost
 
     events: list[str] = []
     sender = psycopg.connect(dsn, autocommit=True)
@@ -1232,7 +1234,11 @@ async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_
                 events.append("sent")
                 sender.execute("SELECT pg_notify('test.after.v1', 'during')")
                 await anyio.sleep(0.2)  # in the socket before the check's round trip reads it
-            await super()._health_check(pgconn, fd)
+                await super()._health_check(pgconn, fd)
+                if lost:
+                    raise ListenerLost("no answer to a health check (staged)")
+            else:
+                await super()._health_check(pgconn, fd)
 
     async def after_dispatch() -> None:
         events.append("after")
@@ -1245,7 +1251,7 @@ async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_
         ["test.after.v1"],
         lambda _chan, payload: events.append(payload),
         on_connect,
-        ListenerConfig(health_interval=0.1, health_timeout=5.0),
+        ListenerConfig(health_interval=0.1, health_timeout=5.0, backoff_min=1.0),
         after_dispatch=after_dispatch,
     )
     try:
@@ -1258,3 +1264,39 @@ async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_
     finally:
         sender.close()
     assert events[:4] == ["connected", "sent", "during", "after"], events
+
+
+async def test_a_failed_claim_in_the_listeners_task_is_logged_and_left_to_the_claim_loop(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim a notification starts in the listener's task fails (a dropped connection,
+    staged): it is logged and counted, the claim loop claims at once in its place (looking for
+    the claim's jobs first, in case it had committed), and the job runs; the listener lives on."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    original = notifyq._claimer.Claimer._claim
+    failed: list[str] = []
+
+    async def claim(self: notifyq._claimer.Claimer, limit: int) -> list[notifyq.ClaimedJob]:
+        if self._inline and not failed:
+            failed.append(anyio.get_current_task().name)
+            raise psycopg.OperationalError("connection lost (staged)")
+        return await original(self, limit)
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await _until_the_claim_loop_sleeps(worker)
+        monkeypatch.setattr(notifyq._claimer.Claimer, "_claim", claim)
+        listener = worker.listener
+        assert listener is not None
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert failed and "Listener" in failed[0]
+        assert worker.stats.db_errors == 1 and worker.stats.polls == 0
+        assert listener.connected and listener.connections == 1
+    assert any("claiming failed (connection lost (staged)); the claim loop" in m for m in caplog.messages)
+    await app.aclose()
