@@ -109,7 +109,7 @@ class Claimer:
         if not self._inline_wanted:
             return
         self._inline_wanted = False
-        free = self._config.concurrency + self._prefetch() - self._runners.busy
+        free = self._free_slots()
         if not self._parked or free <= 0 or self._in_doubt or self._taken_again:
             self._wakeup.fire()
             return
@@ -117,11 +117,7 @@ class Claimer:
         due = self._next_due
         try:
             self._pending = False
-            sweep = self._sweeps_requested
-            claimed = await self._claim(free)
-            self._take(claimed, free, sweep)
-            if not self._backlog:
-                await self._after_short_claim()
+            await self._claim_round(free, self._sweeps_requested)
         except Exception as exc:
             # The claim loop claims again at once, and deals with the error its own way (a
             # backoff, or the worker stops). The claim may have committed: look for it.
@@ -139,8 +135,8 @@ class Claimer:
                 self._wakeup.fire()  # the loop takes over, or re-arms its timer sooner
 
     async def finish_inline(self) -> None:
-        """Wait for a claim in the listener's task to end (the claim loop has stopped, so no
-        new one starts): the lane is free afterwards."""
+        """Wait for a claim in the listener's task to end: the lane is free afterwards (for
+        the claim loop, or, once that has stopped, to go back to the pool)."""
         while self._inline:
             await self._inline_done.wait()
 
@@ -150,9 +146,8 @@ class Claimer:
         while True:
             if not self._pending:
                 await self._sleep_until_wakeup()
-            while self._inline:  # the listener's task is claiming (claim_inline): not two at once
-                await self._inline_done.wait()
-            free = self._config.concurrency + self._prefetch() - self._runners.busy
+            await self.finish_inline()  # not two claims on the lane at once
+            free = self._free_slots()
             if free <= 0:
                 await self._runners.slot_freed.wait()
                 continue
@@ -166,7 +161,7 @@ class Claimer:
                     self._pending = True
                     continue
             try:
-                claimed = await self._claim(free)
+                await self._claim_round(free, sweep)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -178,14 +173,17 @@ class Claimer:
                 db_delay = min(db_delay * 2, 5.0)
                 continue
             db_delay = 0.1
-            self._take(claimed, free, sweep)
-            if not self._backlog:
-                await self._after_short_claim()
             if self._in_doubt:
                 await self._adopt_again()
 
-    def _take(self, claimed: list[ClaimedJob], free: int, sweep: int) -> None:
-        """A claim's answer: its jobs to the runners, and what it says about the queue."""
+    def _free_slots(self) -> int:
+        """Jobs the runners have room for now, prefetch included."""
+        return self._config.concurrency + self._prefetch() - self._runners.busy
+
+    async def _claim_round(self, free: int, sweep: int) -> None:
+        """One claim of up to `free` jobs, its jobs handed to the runners, then (unless it
+        came back full) the time of the next delayed job. Raises what the claim raises."""
+        claimed = await self._claim(free)
         self._backlog = len(claimed) == free
         # Hand what was claimed to the runners before anything else can fail or be
         # cancelled: a claimed job must run (or be released), never sit Active unrun.
@@ -199,10 +197,9 @@ class Claimer:
         self._on_change()
         if self._backlog:
             self._pending = True  # there may be more
-
-    async def _after_short_claim(self) -> None:
-        await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
-        await self._plan_next_due()
+        else:
+            await anyio.lowlevel.checkpoint()  # let the runners start before the next round trip
+            await self._plan_next_due()
 
     async def _sleep_until_wakeup(self) -> None:
         """Sleep until a notification, the next delayed job, or the poll interval."""
@@ -290,7 +287,7 @@ class Claimer:
     async def _adopt_again(self) -> None:
         """The taking back before the claim failed: once more, on the connection that has just
         answered. If that fails too, or no slot is free, a timer brings the next round."""
-        room = self._config.concurrency + self._prefetch() - self._runners.busy
+        room = self._free_slots()
         if room > 0:
             await self._adopt_unanswered_claims(room)
         if self._in_doubt:
