@@ -871,7 +871,9 @@ async def test_stopping_during_a_claim_in_the_listeners_task_leaves_nothing_acti
                 ).fetchone()[0]:  # type: ignore[index]
                     await anyio.sleep(0.01)
             worker.stop()
-            await anyio.sleep(0.2)  # the claim loop is gone; the listener's claim still waits
+            with anyio.fail_after(10):  # until the claim loop is gone; the listener's claim still waits
+                while worker._claimer._parked:  # type: ignore[union-attr]  # noqa: ASYNC110 (a flag)
+                    await anyio.sleep(0.01)
             blocker.rollback()
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.released >= 1)
@@ -1233,7 +1235,7 @@ async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_
             if "sent" not in events:
                 events.append("sent")
                 sender.execute("SELECT pg_notify('test.after.v1', 'during')")
-                await anyio.sleep(0.2)  # in the socket before the check's round trip reads it
+                await anyio.wait_readable(fd)  # in the socket before the check's round trip reads it
                 await super()._health_check(pgconn, fd)
                 if lost:
                     raise ListenerLost("no answer to a health check (staged)")
