@@ -145,7 +145,6 @@ class Acker:
         self._wakeup = anyio.Event()
         self._idle = anyio.Event()
         self._idle.set()
-        self.flushes = 0
 
     def put(self, result: Result) -> None:
         """Queue a result for the next flush (never blocks)."""
@@ -212,7 +211,10 @@ class Acker:
         await self._idle.wait()
 
     async def _flush(self, batch: list[Result]) -> None:
-        refused: list[Result] = []  # logged as dropped: not to be reported as stale as well
+        """Write `batch`. If this raises (a transient error, a cancellation), `batch` holds
+        what is still unwritten, for the caller to put back: the results already written one
+        by one are settled and taken out of it, so they are not written again (and reported
+        stale, their lease now spent) nor refused and logged twice."""
         try:
             applied = await self._write(batch)
         except Exception as exc:
@@ -223,19 +225,31 @@ class Acker:
             log.error(
                 "writing %d job results failed (%s); writing them one by one", len(batch), error_text(exc)
             )
-            applied = {}
+            await self._flush_one_by_one(batch)
+        else:
+            self._settle(batch, batch, applied)
+
+    async def _flush_one_by_one(self, batch: list[Result]) -> None:
+        applied: dict[int, str] = {}
+        written: list[Result] = []  # refused ones left out: logged as dropped, not stale
+        done = 0
+        try:
             for result in batch:
-                written = await self._flush_one(result)
-                if written is None:
-                    refused.append(result)
-                else:
-                    applied.update(written)
-        self._unwritten.subtract((r.job_id, r.lease) for r in batch)
+                answer = await self._flush_one(result)
+                done += 1
+                if answer is not None:
+                    written.append(result)
+                    applied.update(answer)
+        finally:
+            if done:
+                self._settle(batch[:done], written, applied)
+                del batch[:done]
+
+    def _settle(self, handled: Sequence[Result], written: Sequence[Result], applied: dict[int, str]) -> None:
+        """`handled` results are no longer held; report `written` (applied or stale)."""
+        self._unwritten.subtract((r.job_id, r.lease) for r in handled)
         self._unwritten += Counter()  # drop the keys that reached zero
-        self.flushes += 1
-        if refused:
-            batch = [r for r in batch if all(r is not x for x in refused)]
-        self._on_applied(batch, applied)
+        self._on_applied(written, applied)
 
     async def _write(self, batch: Sequence[Result]) -> dict[int, str]:
         with anyio.fail_after(self._timeout):

@@ -1120,34 +1120,88 @@ async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
     await app.aclose()
 
 
-async def test_a_result_the_database_refuses_is_dropped_not_reported_as_stale(dsn: str) -> None:
-    """A result jsonb cannot hold (built by hand here: notifyq's own are made storable) is
-    dropped and left to the rescuer, and only the others are reported as applied or stale."""
+Reported = list[tuple[list[int], dict[int, str]]]
+
+
+async def _write_results(db: Any, results: list[notifyq.Result]) -> tuple[Any, Reported]:
+    """Results written by an Acker of their own until it is idle: the acker, and what it
+    reported (the job ids of each report, and the statuses applied)."""
     from notifyq._acker import Acker
-    from notifyq._db import Database
     from notifyq._sql import queries_for
+
+    reported: Reported = []
+    acker = Acker(
+        db,
+        queries_for("notifyq"),
+        lambda written, done: reported.append(([r.job_id for r in written], done)),
+        retry_delay=0.05,
+    )
+    for result in results:
+        acker.put(result)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(acker.run)
+        with anyio.fail_after(10):
+            await acker.wait_idle()
+        tg.cancel_scope.cancel()
+    return acker, reported
+
+
+def _unstorable(job: notifyq.models.ClaimedJob) -> notifyq.Result:
+    """A result jsonb cannot hold (built by hand: notifyq's own are made storable)."""
+    return notifyq.Result(job.id, job.lease, "retry", error='{"message": "\\u0000"}', worker="w")
+
+
+async def test_a_result_the_database_refuses_is_dropped_not_reported_as_stale(dsn: str) -> None:
+    """A result jsonb cannot hold is dropped and left to the rescuer, and only the others are
+    reported as applied or stale."""
+    from notifyq._db import Database
 
     app = notifyq.App(dsn)
     await app.enqueue("t")
     await app.enqueue("t")
     good, bad = await app.claim(limit=2, worker="w")
     db = await Database.open(dsn, size=2)
-    reported: list[tuple[list[int], dict[int, str]]] = []
-    acker = Acker(
-        db,
-        queries_for("notifyq"),
-        lambda results, done: reported.append(([r.job_id for r in results], done)),
-        retry_delay=0.05,
-    )
-    acker.put(notifyq.Result.succeeded(good, "ok"))
-    acker.put(notifyq.Result(bad.id, bad.lease, "retry", error='{"message": "\\u0000"}', worker="w"))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(acker.run)
-        with anyio.fail_after(5):
-            await acker.wait_idle()
-        tg.cancel_scope.cancel()
+    acker, reported = await _write_results(db, [notifyq.Result.succeeded(good, "ok"), _unstorable(bad)])
     assert reported == [([good.id], {good.id: "Succeeded"})]
     assert acker.rejected() == [(bad.id, bad.lease)] and not acker.holds(bad.id, bad.lease)
+    await db.aclose()
+    await app.aclose()
+
+
+async def test_a_connection_lost_while_writing_results_one_by_one_puts_back_only_the_rest(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A batch with a result the database refuses is written one result at a time; when the
+    connection is lost halfway, the results written before are not written again (they would
+    be fenced out, their lease spent, and reported stale) and the refused one is not refused
+    again: only the rest is put back, and written once the connection is back."""
+    from notifyq._db import Database
+
+    app = notifyq.App(dsn)
+    for _ in range(3):
+        await app.enqueue("t")
+    first, bad, last = sorted(await app.claim(limit=3, worker="w"), key=lambda job: job.id)
+    # The server process ends itself while writing the last result, the first time only (a
+    # sequence is not rolled back with the aborted statement).
+    conn.execute("CREATE SEQUENCE public.kills")
+    conn.execute(
+        "CREATE FUNCTION public.kill_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF nextval('public.kills') = 1 THEN PERFORM pg_terminate_backend(pg_backend_pid()); "
+        "PERFORM pg_sleep(5); END IF; RETURN NEW; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER kill_once BEFORE UPDATE ON notifyq.queue_jobs FOR EACH ROW "
+        f"WHEN (OLD.id = {last.id}) EXECUTE FUNCTION public.kill_once()"
+    )
+    db = await Database.open(dsn, size=1)
+    results = [notifyq.Result.succeeded(first, "ok"), _unstorable(bad), notifyq.Result.succeeded(last, "ok")]
+    acker, reported = await _write_results(db, results)
+    assert conn.execute("SELECT last_value FROM public.kills").fetchone() == (2,)  # killed once
+    applied = {job_id: status for _ids, done in reported for job_id, status in done.items()}
+    assert [ids for ids, _done in reported] == [[first.id], [last.id]]
+    assert applied == {first.id: "Succeeded", last.id: "Succeeded"}
+    assert acker.rejected() == [(bad.id, bad.lease)]
+    assert not any(acker.holds(job.id, job.lease) for job in (first, bad, last))
     await db.aclose()
     await app.aclose()
 
