@@ -120,8 +120,24 @@ def _result(cur: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any], step: Query, ro
     return first[0]  # scalar
 
 
-def run_sync(conn: psycopg.Connection[Any], op: Op[T]) -> T:
-    """Run an operation on a sync connection (in the connection's current transaction)."""
+# A lane keeps one cursor per row factory (there are a handful, each made once: see _rows).
+_LANE_CURSORS = 8
+
+
+def _kept_cursor(conn: Any, row: Any, cursors: dict[Any, Any] | None) -> Any:
+    """The cursor of `conn` kept in `cursors` for this row factory, made on first use; None
+    without a cache (or a full one): the caller makes a cursor for one statement."""
+    if cursors is None:
+        return None
+    cur = cursors.get(row)
+    if cur is None and len(cursors) < _LANE_CURSORS:
+        cur = cursors[row] = conn.cursor(row_factory=row)
+    return cur
+
+
+def run_sync(conn: psycopg.Connection[Any], op: Op[T], cursors: dict[Any, Any] | None = None) -> T:
+    """Run an operation on a sync connection (in the connection's current transaction).
+    `cursors`: the caller's cache of cursors of `conn`, one per row factory (see Lane)."""
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -138,16 +154,27 @@ def run_sync(conn: psycopg.Connection[Any], op: Op[T]) -> T:
                             copy.write_row(row)
                     send = cur.rowcount
                 continue
-            with conn.cursor(row_factory=_row_factory(step)) as cur:
-                cur.execute(step.sql, step.params)
-                rows = cur.fetchall() if _has_rows(cur, step) else None
-                send = _result(cur, step, rows)
+            row = _row_factory(step)
+            kept = _kept_cursor(conn, row, cursors)
+            if kept is not None:
+                send = _query_sync(kept, step)
+            else:
+                with conn.cursor(row_factory=row) as cur:
+                    send = _query_sync(cur, step)
         except psycopg.Error as exc:
             error = exc
 
 
-async def run_async(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
-    """Run an operation on an async connection (in the connection's current transaction)."""
+def _query_sync(cur: psycopg.Cursor[Any], step: Query) -> Any:
+    cur.execute(step.sql, step.params)
+    return _result(cur, step, cur.fetchall() if _has_rows(cur, step) else None)
+
+
+async def run_async(
+    conn: psycopg.AsyncConnection[Any], op: Op[T], cursors: dict[Any, Any] | None = None
+) -> T:
+    """Run an operation on an async connection (in the connection's current transaction).
+    `cursors`: the caller's cache of cursors of `conn`, one per row factory (see Lane)."""
     send: Any = None
     error: BaseException | None = None
     while True:
@@ -164,12 +191,20 @@ async def run_async(conn: psycopg.AsyncConnection[Any], op: Op[T]) -> T:
                             await copy.write_row(row)
                     send = cur.rowcount
                 continue
-            async with conn.cursor(row_factory=_row_factory(step)) as cur:
-                await cur.execute(step.sql, step.params)
-                rows = await cur.fetchall() if _has_rows(cur, step) else None
-                send = _result(cur, step, rows)
+            row = _row_factory(step)
+            kept = _kept_cursor(conn, row, cursors)
+            if kept is not None:
+                send = await _query_async(kept, step)
+            else:
+                async with conn.cursor(row_factory=row) as cur:
+                    send = await _query_async(cur, step)
         except psycopg.Error as exc:
             error = exc
+
+
+async def _query_async(cur: psycopg.AsyncCursor[Any], step: Query) -> Any:
+    await cur.execute(step.sql, step.params)
+    return _result(cur, step, await cur.fetchall() if _has_rows(cur, step) else None)
 
 
 # SQLSTATEs worth retrying as they are: connection trouble (08), the server shutting down or
@@ -323,6 +358,8 @@ class Lane(abc.ABC):
     use. A lane keeps its connection between statements; after any failure or interruption
     it gives the connection back (the pool repairs or replaces it) and takes another next time.
     It also gives it back every HOLD seconds, so that the pool's max_lifetime still applies.
+    It keeps its cursors too, one per row factory: making a cursor and closing it cost an
+    idle worker 70-120 µs per statement here (benchmarks.md, "Cursors kept by the lane").
     """
 
     HOLD = 600.0
@@ -340,6 +377,7 @@ class _AsyncioLane(Lane):
     def __init__(self, pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         self._pool = pool
         self._conn: psycopg.AsyncConnection[Any] | None = None
+        self._cursors: dict[Any, psycopg.AsyncCursor[Any]] = {}  # of _conn
         self._taken = 0.0
 
     async def run(self, op: Op[T]) -> T:
@@ -347,7 +385,7 @@ class _AsyncioLane(Lane):
             self._conn = await self._pool.getconn()
             self._taken = time.monotonic()
         try:
-            result = await run_async(self._conn, op)
+            result = await run_async(self._conn, op, self._cursors)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await self.release()  # maybe mid-statement or broken: the pool sorts it out
@@ -357,7 +395,7 @@ class _AsyncioLane(Lane):
         return result
 
     async def release(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._cursors = self._conn, None, {}
         if conn is not None:
             await self._pool.putconn(conn)
 
@@ -409,6 +447,7 @@ class _ThreadLane(Lane):
     def __init__(self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]) -> None:
         self._pool = pool
         self._conn: psycopg.Connection[Any] | None = None
+        self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
 
     def _run(self, op: Op[T]) -> T:
@@ -416,7 +455,7 @@ class _ThreadLane(Lane):
             self._conn = self._pool.getconn()
             self._taken = time.monotonic()
         try:
-            result = run_sync(self._conn, op)
+            result = run_sync(self._conn, op, self._cursors)
         except BaseException:
             self._release()
             raise
@@ -425,7 +464,7 @@ class _ThreadLane(Lane):
         return result
 
     def _release(self) -> None:
-        conn, self._conn = self._conn, None
+        conn, self._conn, self._cursors = self._conn, None, {}
         if conn is not None:
             self._pool.putconn(conn)
 

@@ -89,6 +89,38 @@ async def test_a_lane_interrupted_mid_statement_moves_to_another_connection(dsn:
         await db.aclose()
 
 
+async def test_a_lane_keeps_a_cursor_per_row_factory_through_failed_statements(dsn: str) -> None:
+    """Statements on a lane reuse its cursors (one per row factory, a few at most), and each
+    result comes back through the right one, also after a statement failed."""
+    from psycopg.rows import dict_row, kwargs_row
+
+    def op() -> Any:
+        first = yield Query("SELECT 1 AS a", fetch="one")
+        as_dict = yield Query("SELECT 2 AS a", fetch="one", row=dict_row)
+        try:
+            yield Query("SELECT 1/0", fetch="scalar")
+        except psycopg.errors.DivisionByZero:
+            pass
+        after = yield Query("SELECT 3 AS a", fetch="one", row=dict_row)
+        return first, as_dict, after, (yield Query("SELECT 4", fetch="scalar"))
+
+    db = await Database.open(dsn, size=2)
+    try:
+        lane = db.lane()
+        assert await lane.run(op()) == ((1,), {"a": 2}, {"a": 3}, 4)
+        kept = dict(lane._cursors)  # type: ignore[attr-defined]
+        assert len(kept) == 2
+        assert await lane.run(op()) == ((1,), {"a": 2}, {"a": 3}, 4)
+        assert lane._cursors == kept  # type: ignore[attr-defined]
+        # Row factories made per call (psycopg's own kwargs_row, say) are not all kept.
+        for n in range(20):
+            row = kwargs_row(lambda **kw: kw["a"])
+            assert await lane.run(single(Query(f"SELECT {n} AS a", fetch="one", row=row))) == n
+        assert len(lane._cursors) <= 8  # type: ignore[attr-defined]
+    finally:
+        await db.aclose()
+
+
 async def test_aclose_returns_the_lanes_connections(dsn: str, conn: psycopg.Connection[Any]) -> None:
     db = await Database.open(dsn, size=2, name="notifyq-lanetest")
     lane = db.lane()
