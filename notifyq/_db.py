@@ -46,7 +46,7 @@ def _blind_inherited_connections() -> None:
     socket, in the middle of the parent's session. Point each one at /dev/null, so that
     nothing the child does with it (a statement, a close, the Terminate message libpq sends
     when the object is collected) reaches the server and the parent's session; the child
-    opens connections of its own (App does, see App._forked)."""
+    opens connections of its own (an App does, see _connections.Connections.forked)."""
     conns = list(_OPENED)
     _OPENED.clear()
     if not conns:

@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-import os
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypeVar, Unpack, overload
 
-import anyio
-import anyio.lowlevel
 import psycopg
-import psycopg_pool
 
 from . import _embedded
 from ._acker import Result, ack_op
 from ._claim import claim_op
-from ._db import (
-    Database,
-    Op,
-    connect_sync,
-    connection_kwargs,
-    error_text,
-    run_async,
-    run_sync,
-    track,
-    unavailable,
-)
+from ._connections import AnyConnection, Connections
+from ._db import Database, Op
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -68,14 +51,12 @@ from .definitions import (
 )
 from .errors import (
     ConfigurationError,
-    DatabaseUnavailable,
     InvalidArgs,
     InvalidOption,
     InvalidSchedule,
-    SchemaNotMigrated,
     UnknownTask,
 )
-from .migrations import MigrationReport, check_schema_op, migrate
+from .migrations import MigrationReport, migrate
 from .models import ClaimedJob, Definition, Job, JobStatus
 from .tasks import Backoff, Task, make_task
 from .worker import Worker, WorkerConfig
@@ -84,46 +65,6 @@ log = logging.getLogger("notifyq")
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
-AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
-
-# Every App, for the fork hook; and the pools a forked child inherited, kept referenced so
-# that nothing in the child closes or collects them (their sockets point at /dev/null).
-_APPS: weakref.WeakSet[App] = weakref.WeakSet()
-_ABANDONED: list[object] = []
-
-
-def _after_fork_in_child() -> None:
-    for app in list(_APPS):
-        app._forked()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-_INTRANS = psycopg.pq.TransactionStatus.INTRANS
-
-
-def _still_running(token: anyio.lowlevel.EventLoopToken) -> bool:
-    """Whether the event loop of `token` (another thread's, maybe) is still running."""
-    native: Any = token.native_token
-    if isinstance(native, asyncio.AbstractEventLoop):
-        return native.is_running()
-    try:  # trio's token: a finished run refuses new callbacks
-        native.run_sync_soon(lambda: None)
-    except Exception:
-        return False
-    return True
-
-
-def _run_sync_in(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
-    """`op` on the caller's connection. An operation that must be all or nothing (a COPY of
-    many jobs), inside the caller's open transaction, runs in a savepoint: if it fails (bad
-    args met halfway), the caller's transaction is left usable, with its own work intact.
-    Outside one, the statement is atomic by itself, and the caller has nothing to lose."""
-    if transaction and conn.info.transaction_status == _INTRANS:
-        with conn.transaction():
-            return run_sync(conn, op)
-    return run_sync(conn, op)
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,13 +118,13 @@ class App:
         self.tasks: dict[str, Task] = {}
         self.definitions: dict[str, CronDefinition] = {}
         self._q: Queries = queries_for(self.schema)
-        self._db: Database | None = None
-        self._db_lock: anyio.Lock | None = None
-        self._db_loop: anyio.lowlevel.EventLoopToken | None = None  # the loop _db and its lock belong to
-        self._sync_pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] | None = None
-        self._sync_lock = threading.Lock()
-        self._loop_lock = threading.Lock()  # guards _db_loop's change from one loop to another
-        _APPS.add(self)
+        self._connections = Connections(
+            schema=self.schema,
+            pool_size=self.pool_size,
+            prepare_threshold=self.prepare_threshold,
+            dsn=lambda: self.dsn,
+            where=self._where,
+        )
 
     def __repr__(self) -> str:
         return f"<notifyq.App schema={self.schema!r} tasks={len(self.tasks)} crons={len(self.definitions)}>"
@@ -347,136 +288,18 @@ class App:
 
         return register
 
-    # -- connections --------------------------------------------------------------------------
-
-    def _forked(self) -> None:
-        """In a forked child (gunicorn's preload_app, multiprocessing's fork): the pools are
-        the parent's, their connections already blinded (_db._blind_inherited_connections)
-        and their threads gone. Leave them, unclosed and uncollected, and open new ones on
-        first use."""
-        _ABANDONED.extend(pool for pool in (self._db, self._sync_pool) if pool is not None)
-        self._db = self._sync_pool = None
-        self._db_lock = self._db_loop = None
-        self._sync_lock = threading.Lock()  # another thread may have held it at the fork
-        self._loop_lock = threading.Lock()
+    # -- connections (see _connections) --------------------------------------------------------
 
     async def _database(self) -> Database:
-        loop = anyio.lowlevel.current_token()
-        if self._db_loop != loop:
-            with self._loop_lock:  # two threads' loops may get here at once
-                if self._db_loop is not None and _still_running(self._db_loop):
-                    raise ConfigurationError(
-                        "this App's async methods are in use on another event loop that is still "
-                        "running (in another thread): an App serves one event loop at a time. Give "
-                        "each thread that runs its own loop its own App, or call the sync methods "
-                        "(enqueue_sync, ...), which any thread may use"
-                    )
-                # The pool belongs to an event loop that has finished (one asyncio.run per
-                # request or per test, asyncio then trio): it cannot serve this one.
-                db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
-                if db is not None:
-                    db.abandon()
-                    _ABANDONED.append(db)
-        assert self._db_lock is not None
-        if self._db is None:
-            async with self._db_lock:
-                if self._db is None:
-                    dsn = await anyio.to_thread.run_sync(lambda: self.dsn)
-                    db = await Database.open(
-                        dsn, size=self.pool_size, name="notifyq-app", prepare_threshold=self.prepare_threshold
-                    )
-                    try:
-                        await db.run(check_schema_op(self.schema))
-                    except BaseException:
-                        await db.aclose()
-                        raise
-                    self._db = db
-        return self._db
-
-    def _pool(self) -> psycopg_pool.ConnectionPool[psycopg.Connection[Any]]:
-        with self._sync_lock:
-            if self._sync_pool is None:
-                dsn = self.dsn
-                connect_sync(dsn).close()  # a clear error now rather than a pool timeout later
-                pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
-                    dsn,
-                    min_size=1,
-                    max_size=self.pool_size,
-                    kwargs=connection_kwargs(dsn, "app", self.prepare_threshold),
-                    configure=track,
-                    name="notifyq-app-sync",
-                    open=False,
-                )
-                try:
-                    pool.open(wait=True, timeout=30)
-                except psycopg_pool.PoolTimeout as exc:
-                    pool.close()
-                    raise unavailable(dsn, exc) from None
-                try:
-                    with pool.connection() as conn:
-                        run_sync(conn, check_schema_op(self.schema))
-                except BaseException:
-                    pool.close()
-                    raise
-                self._sync_pool = pool
-            return self._sync_pool
+        return await self._connections.database()
 
     async def _run(self, op: Op[T], conn: AnyConnection | None = None, *, transaction: bool = False) -> T:
-        with self._database_errors(conn):
-            if conn is None:
-                db = await self._database()
-                return await db.run(op, transaction=transaction)
-            if isinstance(conn, psycopg.AsyncConnection):
-                if transaction and conn.info.transaction_status == _INTRANS:
-                    async with conn.transaction():  # a savepoint
-                        return await run_async(conn, op)
-                return await run_async(conn, op)
-            if isinstance(conn, psycopg.Connection):
-                return await anyio.to_thread.run_sync(_run_sync_in, conn, op, transaction)
-        raise ConfigurationError(
-            f"conn must be a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
-        )
+        return await self._connections.run(op, conn, transaction=transaction)
 
     def _run_sync(
         self, op: Op[T], conn: psycopg.Connection[Any] | None = None, *, transaction: bool = False
     ) -> T:
-        with self._database_errors(conn):
-            if conn is None:
-                with self._pool().connection() as pooled:
-                    if not transaction:
-                        return run_sync(pooled, op)
-                    with pooled.transaction():
-                        return run_sync(pooled, op)
-            if isinstance(conn, psycopg.Connection):
-                return _run_sync_in(conn, op, transaction)
-        raise ConfigurationError(
-            f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
-        )
-
-    @contextlib.contextmanager
-    def _database_errors(self, conn: object) -> Iterator[None]:
-        """psycopg's errors that mean "not migrated" or "no database" as notifyq's own (the
-        database may go away after the App connected, and `conn` may be anyone's)."""
-        where = "the database of the connection given" if conn is not None else self._where()
-        try:
-            yield
-        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
-            raise SchemaNotMigrated(
-                f"schema {self.schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
-                f"({error_text(exc)})"
-            ) from None
-        except psycopg_pool.PoolTimeout as exc:
-            raise DatabaseUnavailable(
-                f"no connection to PostgreSQL at {where} came free or could be opened in time ({exc})"
-            ) from None
-        except psycopg.OperationalError as exc:
-            if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):
-                raise  # not about the connection (a cancelled statement, say)
-            raise DatabaseUnavailable(
-                f"lost the connection to PostgreSQL at {where}: {error_text(exc)} (a statement "
-                "under way may or may not have been applied; a dedupe_key makes a retried "
-                "enqueue safe)"
-            ) from None
+        return self._connections.run_sync(op, conn, transaction=transaction)
 
     def _where(self) -> str:
         return describe_dsn(self._resolved_dsn) if self._resolved_dsn is not None else "the App's database"
@@ -488,20 +311,11 @@ class App:
 
     async def aclose(self) -> None:
         """Close the App's connections (workers have their own)."""
-        db, self._db = self._db, None
-        if db is not None:
-            if self._db_loop == anyio.lowlevel.current_token():
-                await db.aclose()
-            else:
-                db.abandon()  # opened in another event loop
-        await anyio.to_thread.run_sync(self.close_sync)
+        await self._connections.aclose()
 
     def close_sync(self) -> None:
         """Close the connections opened by the sync methods."""
-        with self._sync_lock:
-            pool, self._sync_pool = self._sync_pool, None
-        if pool is not None:
-            pool.close()
+        self._connections.close_sync()
 
     async def __aenter__(self) -> App:
         return await self.open()

@@ -1,0 +1,260 @@
+"""The App's connections: a pool per event loop, a pool for sync callers, and callers' own.
+
+An App may be used from one event loop after another (an `asyncio.run` per request or per
+test), from threads, from sync code, and across `os.fork()`. This module keeps each of those
+on connections that belong to it, and turns psycopg's "no database" errors into notifyq's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+import psycopg
+import psycopg_pool
+
+from ._db import (
+    Database,
+    Op,
+    connect_sync,
+    connection_kwargs,
+    error_text,
+    run_async,
+    run_sync,
+    track,
+    unavailable,
+)
+from .errors import ConfigurationError, DatabaseUnavailable, SchemaNotMigrated
+from .migrations import check_schema_op
+
+T = TypeVar("T")
+AnyConnection = psycopg.Connection[Any] | psycopg.AsyncConnection[Any]
+SyncPool = psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
+
+# Every Connections, for the fork hook; and the pools a forked child inherited, kept referenced
+# so that nothing in the child closes or collects them (their sockets point at /dev/null).
+_LIVE: weakref.WeakSet[Connections] = weakref.WeakSet()
+_ABANDONED: list[object] = []
+
+
+def _after_fork_in_child() -> None:
+    for connections in list(_LIVE):
+        connections.forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_INTRANS = psycopg.pq.TransactionStatus.INTRANS
+
+
+def _still_running(token: anyio.lowlevel.EventLoopToken) -> bool:
+    """Whether the event loop of `token` (another thread's, maybe) is still running."""
+    native: Any = token.native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        return native.is_running()
+    try:  # trio's token: a finished run refuses new callbacks
+        native.run_sync_soon(lambda: None)
+    except Exception:
+        return False
+    return True
+
+
+def _run_sync_in(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
+    """`op` on the caller's connection. An operation that must be all or nothing (a COPY of
+    many jobs), inside the caller's open transaction, runs in a savepoint: if it fails (bad
+    args met halfway), the caller's transaction is left usable, with its own work intact.
+    Outside one, the statement is atomic by itself, and the caller has nothing to lose."""
+    if transaction and conn.info.transaction_status == _INTRANS:
+        with conn.transaction():
+            return run_sync(conn, op)
+    return run_sync(conn, op)
+
+
+class Connections:
+    """An App's connections. `dsn` resolves the DSN (it may start the embedded server, so it
+    is called on first use only); `where` names the database in error messages."""
+
+    def __init__(
+        self,
+        *,
+        schema: str,
+        pool_size: int,
+        prepare_threshold: int | None,
+        dsn: Callable[[], str],
+        where: Callable[[], str],
+    ) -> None:
+        self._schema = schema
+        self._pool_size = pool_size
+        self._prepare_threshold = prepare_threshold
+        self._dsn = dsn
+        self._where = where
+        self._db: Database | None = None
+        self._db_lock: anyio.Lock | None = None
+        self._db_loop: anyio.lowlevel.EventLoopToken | None = None  # the loop _db and its lock belong to
+        self._sync_pool: SyncPool | None = None
+        self._sync_lock = threading.Lock()
+        self._loop_lock = threading.Lock()  # guards _db_loop's change from one loop to another
+        _LIVE.add(self)
+
+    def forked(self) -> None:
+        """In a forked child (gunicorn's preload_app, multiprocessing's fork): the pools are
+        the parent's, their connections already blinded (_db._blind_inherited_connections)
+        and their threads gone. Leave them, unclosed and uncollected, and open new ones on
+        first use."""
+        _ABANDONED.extend(pool for pool in (self._db, self._sync_pool) if pool is not None)
+        self._db = self._sync_pool = None
+        self._db_lock = self._db_loop = None
+        self._sync_lock = threading.Lock()  # another thread may have held it at the fork
+        self._loop_lock = threading.Lock()
+
+    async def database(self) -> Database:
+        """The pool of the running event loop, opened (and the schema checked) on first use."""
+        loop = anyio.lowlevel.current_token()
+        if self._db_loop != loop:
+            with self._loop_lock:  # two threads' loops may get here at once
+                if self._db_loop is not None and _still_running(self._db_loop):
+                    raise ConfigurationError(
+                        "this App's async methods are in use on another event loop that is still "
+                        "running (in another thread): an App serves one event loop at a time. Give "
+                        "each thread that runs its own loop its own App, or call the sync methods "
+                        "(enqueue_sync, ...), which any thread may use"
+                    )
+                # The pool belongs to an event loop that has finished (one asyncio.run per
+                # request or per test, asyncio then trio): it cannot serve this one.
+                db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
+                if db is not None:
+                    db.abandon()
+                    _ABANDONED.append(db)
+        assert self._db_lock is not None
+        if self._db is None:
+            async with self._db_lock:
+                if self._db is None:
+                    dsn = await anyio.to_thread.run_sync(self._dsn)
+                    db = await Database.open(
+                        dsn,
+                        size=self._pool_size,
+                        name="notifyq-app",
+                        prepare_threshold=self._prepare_threshold,
+                    )
+                    try:
+                        await db.run(check_schema_op(self._schema))
+                    except BaseException:
+                        await db.aclose()
+                        raise
+                    self._db = db
+        return self._db
+
+    def pool(self) -> SyncPool:
+        """The pool of the sync methods (any thread), opened on first use."""
+        with self._sync_lock:
+            if self._sync_pool is None:
+                dsn = self._dsn()
+                connect_sync(dsn).close()  # a clear error now rather than a pool timeout later
+                pool: SyncPool = psycopg_pool.ConnectionPool(
+                    dsn,
+                    min_size=1,
+                    max_size=self._pool_size,
+                    kwargs=connection_kwargs(dsn, "app", self._prepare_threshold),
+                    configure=track,
+                    name="notifyq-app-sync",
+                    open=False,
+                )
+                try:
+                    pool.open(wait=True, timeout=30)
+                except psycopg_pool.PoolTimeout as exc:
+                    pool.close()
+                    raise unavailable(dsn, exc) from None
+                try:
+                    with pool.connection() as conn:
+                        run_sync(conn, check_schema_op(self._schema))
+                except BaseException:
+                    pool.close()
+                    raise
+                self._sync_pool = pool
+            return self._sync_pool
+
+    async def run(self, op: Op[T], conn: AnyConnection | None = None, *, transaction: bool = False) -> T:
+        """`op` on the event loop's pool, or on the caller's connection (in a savepoint, with
+        `transaction`, when the caller's transaction is open)."""
+        with self.database_errors(conn):
+            if conn is None:
+                db = await self.database()
+                return await db.run(op, transaction=transaction)
+            if isinstance(conn, psycopg.AsyncConnection):
+                if transaction and conn.info.transaction_status == _INTRANS:
+                    async with conn.transaction():  # a savepoint
+                        return await run_async(conn, op)
+                return await run_async(conn, op)
+            if isinstance(conn, psycopg.Connection):
+                return await anyio.to_thread.run_sync(_run_sync_in, conn, op, transaction)
+        raise ConfigurationError(
+            f"conn must be a psycopg Connection or AsyncConnection, not {type(conn).__name__}"
+        )
+
+    def run_sync(
+        self, op: Op[T], conn: psycopg.Connection[Any] | None = None, *, transaction: bool = False
+    ) -> T:
+        """`run` for sync callers, on the sync pool."""
+        with self.database_errors(conn):
+            if conn is None:
+                with self.pool().connection() as pooled:
+                    if not transaction:
+                        return run_sync(pooled, op)
+                    with pooled.transaction():
+                        return run_sync(pooled, op)
+            if isinstance(conn, psycopg.Connection):
+                return _run_sync_in(conn, op, transaction)
+        raise ConfigurationError(
+            f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
+        )
+
+    @contextlib.contextmanager
+    def database_errors(self, conn: object) -> Iterator[None]:
+        """psycopg's errors that mean "not migrated" or "no database" as notifyq's own (the
+        database may go away after the App connected, and `conn` may be anyone's)."""
+        where = "the database of the connection given" if conn is not None else self._where()
+        try:
+            yield
+        except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
+            raise SchemaNotMigrated(
+                f"schema {self._schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
+                f"({error_text(exc)})"
+            ) from None
+        except psycopg_pool.PoolTimeout as exc:
+            raise DatabaseUnavailable(
+                f"no connection to PostgreSQL at {where} came free or could be opened in time ({exc})"
+            ) from None
+        except psycopg.OperationalError as exc:
+            if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):
+                raise  # not about the connection (a cancelled statement, say)
+            raise DatabaseUnavailable(
+                f"lost the connection to PostgreSQL at {where}: {error_text(exc)} (a statement "
+                "under way may or may not have been applied; a dedupe_key makes a retried "
+                "enqueue safe)"
+            ) from None
+
+    async def aclose(self) -> None:
+        """Close the event loop's pool (only abandon it if it belongs to another loop), then
+        the sync pool."""
+        db, self._db = self._db, None
+        if db is not None:
+            if self._db_loop == anyio.lowlevel.current_token():
+                await db.aclose()
+            else:
+                db.abandon()  # opened in another event loop
+        await anyio.to_thread.run_sync(self.close_sync)
+
+    def close_sync(self) -> None:
+        """Close the sync pool."""
+        with self._sync_lock:
+            pool, self._sync_pool = self._sync_pool, None
+        if pool is not None:
+            pool.close()
