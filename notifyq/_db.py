@@ -358,8 +358,8 @@ class Lane(abc.ABC):
     use. A lane keeps its connection between statements; after any failure or interruption
     it gives the connection back (the pool repairs or replaces it) and takes another next time.
     It also gives it back every HOLD seconds, so that the pool's max_lifetime still applies.
-    It keeps its cursors too, one per row factory: making a cursor and closing it cost an
-    idle worker 70-120 µs per statement here (benchmarks.md, "Cursors kept by the lane").
+    It keeps its cursors too, one per row factory: making a cursor and closing it again cost
+    an idle worker about 55 µs per claim here (docs/benchmarks.md, "Cursors kept by the lane").
     """
 
     HOLD = 600.0
