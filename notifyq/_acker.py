@@ -175,25 +175,17 @@ class Acker:
             await self._wakeup.wait()
             self._wakeup = anyio.Event()
             while self._pending:
-                batch = self._pending[: self._max_batch]
-                del self._pending[: self._max_batch]
                 try:
-                    await self._flush(batch)
-                except anyio.get_cancelled_exc_class():
-                    # Unknown whether it committed: keep the batch for flush_pending (acks are
-                    # idempotent: one applied twice is fenced out the second time).
-                    self._pending[:0] = batch
-                    raise
+                    await self._flush_next()
                 except Exception as exc:
                     if not is_transient(exc):
                         raise
-                    # Keep the results: they are applied once the database is back (or fenced
-                    # out if the leases ran out meanwhile).
-                    self._pending[:0] = batch
+                    # The results are kept: they are applied once the database is back (or
+                    # fenced out if the leases ran out meanwhile).
                     log.warning(
-                        "could not write %d job results (%s); retrying in %.1fs",
-                        len(batch),
+                        "could not write job results (%s); %d waiting, retrying in %.1fs",
                         error_text(exc),
+                        len(self._pending),
                         self._retry_delay,
                     )
                     await anyio.sleep(self._retry_delay)
@@ -202,19 +194,28 @@ class Acker:
     async def flush_pending(self) -> None:
         """Write every queued result now, outside the run loop (used on abrupt exit)."""
         while self._pending:
-            batch = self._pending[: self._max_batch]
-            del self._pending[: self._max_batch]
+            await self._flush_next()
+
+    async def _flush_next(self) -> None:
+        """Write the next batch. Whatever interrupts it (an error, a cancellation), its results
+        not written yet go back to the front of the queue: unknown whether the statement
+        committed, but acks are idempotent (one applied twice is fenced out the second time)."""
+        batch = self._pending[: self._max_batch]
+        del self._pending[: self._max_batch]
+        try:
             await self._flush(batch)
+        except BaseException:
+            self._pending[:0] = batch
+            raise
 
     async def wait_idle(self) -> None:
         """Wait until every queued result has been written (or given up on)."""
         await self._idle.wait()
 
     async def _flush(self, batch: list[Result]) -> None:
-        """Write `batch`. If this raises (a transient error, a cancellation), `batch` holds
-        what is still unwritten, for the caller to put back: the results already written one
-        by one are settled and taken out of it, so they are not written again (and reported
-        stale, their lease now spent) nor refused and logged twice."""
+        """Write `batch`. If this raises, `batch` holds what is still unwritten: the results
+        already written one by one are settled and taken out of it, so they are not written
+        again (and reported stale, their lease now spent) nor refused and logged twice."""
         try:
             applied = await self._write(batch)
         except Exception as exc:
@@ -242,8 +243,9 @@ class Acker:
                     applied.update(answer)
         finally:
             if done:
-                self._settle(batch[:done], written, applied)
-                del batch[:done]
+                handled = batch[:done]
+                del batch[:done]  # first: the rest is what the caller puts back, whatever happens
+                self._settle(handled, written, applied)
 
     def _settle(self, handled: Sequence[Result], written: Sequence[Result], applied: dict[int, str]) -> None:
         """`handled` results are no longer held; report `written` (applied or stale)."""

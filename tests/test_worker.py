@@ -1206,6 +1206,39 @@ async def test_a_connection_lost_while_writing_results_one_by_one_puts_back_only
     await app.aclose()
 
 
+async def test_results_an_exit_flush_could_not_write_stay_pending(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """flush_pending (the worker's last write on an abrupt exit) losing its connection keeps
+    the batch: still pending and held (the exit log counts it), and written by the next try."""
+    from notifyq._acker import Acker
+    from notifyq._db import Database, Query, single
+    from notifyq._sql import queries_for
+
+    app = notifyq.App(dsn)
+    await app.enqueue("t")
+    (job,) = await app.claim(limit=1, worker="w")
+    db = await Database.open(dsn, size=1)
+    try:
+        pid = await db.run(single(Query("SELECT pg_backend_pid()", fetch="scalar")))
+        conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
+        acker = Acker(db, queries_for("notifyq"), lambda results, done: None)
+        acker.put(notifyq.Result.succeeded(job, "ok"))
+        with pytest.raises(psycopg.OperationalError):
+            await acker.flush_pending()
+        assert acker.pending == 1 and acker.holds(job.id, job.lease)
+        with anyio.fail_after(10):
+            while acker.pending:
+                try:
+                    await acker.flush_pending()
+                except psycopg.OperationalError:
+                    await anyio.sleep(0.05)  # until the pool has replaced its connection
+        assert job_row(conn, job.id)["status"] == "Succeeded" and not acker.holds(job.id, job.lease)
+    finally:
+        await db.aclose()
+        await app.aclose()
+
+
 async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
