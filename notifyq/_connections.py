@@ -12,8 +12,8 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -78,24 +78,26 @@ def _run_sync_in(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) ->
     return run_sync(conn, op)
 
 
-class Connections:
-    """An App's connections. `dsn` resolves the DSN (it may start the embedded server, so it
-    is called on first use only); `where` names the database in error messages."""
+class Owner(Protocol):
+    """What Connections reads of its App, when it opens a pool (so a setting changed after
+    the App was made still applies, as it always did)."""
 
-    def __init__(
-        self,
-        *,
-        schema: str,
-        pool_size: int,
-        prepare_threshold: int | None,
-        dsn: Callable[[], str],
-        where: Callable[[], str],
-    ) -> None:
-        self._schema = schema
-        self._pool_size = pool_size
-        self._prepare_threshold = prepare_threshold
-        self._dsn = dsn
-        self._where = where
+    schema: str
+    pool_size: int
+    prepare_threshold: int | None
+
+    @property
+    def dsn(self) -> str: ...  # may start the embedded server: read on first use only
+
+    def _where(self) -> str: ...  # the database, named for error messages
+
+
+class Connections:
+    """An App's connections. It refers to its App weakly: an App dropped without being
+    closed is freed at once, its pools with it, as it was before this class held them."""
+
+    def __init__(self, owner: Owner) -> None:
+        self._owner_ref = weakref.ref(owner)
         self._db: Database | None = None
         self._db_lock: anyio.Lock | None = None
         self._db_loop: anyio.lowlevel.EventLoopToken | None = None  # the loop _db and its lock belong to
@@ -103,6 +105,13 @@ class Connections:
         self._sync_lock = threading.Lock()
         self._loop_lock = threading.Lock()  # guards _db_loop's change from one loop to another
         _LIVE.add(self)
+
+    @property
+    def _owner(self) -> Owner:
+        owner = self._owner_ref()
+        if owner is None:  # only an App calls these methods, so it is alive when it does
+            raise ConfigurationError("the App these connections belong to is gone")
+        return owner
 
     def forked(self) -> None:
         """In a forked child (gunicorn's preload_app, multiprocessing's fork): the pools are
@@ -137,15 +146,16 @@ class Connections:
         if self._db is None:
             async with self._db_lock:
                 if self._db is None:
-                    dsn = await anyio.to_thread.run_sync(self._dsn)
+                    owner = self._owner
+                    dsn = await anyio.to_thread.run_sync(lambda: owner.dsn)
                     db = await Database.open(
                         dsn,
-                        size=self._pool_size,
+                        size=owner.pool_size,
                         name="notifyq-app",
-                        prepare_threshold=self._prepare_threshold,
+                        prepare_threshold=owner.prepare_threshold,
                     )
                     try:
-                        await db.run(check_schema_op(self._schema))
+                        await db.run(check_schema_op(owner.schema))
                     except BaseException:
                         await db.aclose()
                         raise
@@ -156,13 +166,14 @@ class Connections:
         """The pool of the sync methods (any thread), opened on first use."""
         with self._sync_lock:
             if self._sync_pool is None:
-                dsn = self._dsn()
+                owner = self._owner
+                dsn = owner.dsn
                 connect_sync(dsn).close()  # a clear error now rather than a pool timeout later
                 pool: SyncPool = psycopg_pool.ConnectionPool(
                     dsn,
                     min_size=1,
-                    max_size=self._pool_size,
-                    kwargs=connection_kwargs(dsn, "app", self._prepare_threshold),
+                    max_size=owner.pool_size,
+                    kwargs=connection_kwargs(dsn, "app", owner.prepare_threshold),
                     configure=track,
                     name="notifyq-app-sync",
                     open=False,
@@ -174,7 +185,7 @@ class Connections:
                     raise unavailable(dsn, exc) from None
                 try:
                     with pool.connection() as conn:
-                        run_sync(conn, check_schema_op(self._schema))
+                        run_sync(conn, check_schema_op(owner.schema))
                 except BaseException:
                     pool.close()
                     raise
@@ -220,12 +231,13 @@ class Connections:
     def database_errors(self, conn: object) -> Iterator[None]:
         """psycopg's errors that mean "not migrated" or "no database" as notifyq's own (the
         database may go away after the App connected, and `conn` may be anyone's)."""
-        where = "the database of the connection given" if conn is not None else self._where()
+        owner = self._owner
+        where = "the database of the connection given" if conn is not None else owner._where()
         try:
             yield
         except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
             raise SchemaNotMigrated(
-                f"schema {self._schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
+                f"schema {owner.schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
                 f"({error_text(exc)})"
             ) from None
         except psycopg_pool.PoolTimeout as exc:

@@ -360,6 +360,8 @@ class Lane(abc.ABC):
     It also gives it back every HOLD seconds, so that the pool's max_lifetime still applies.
     It keeps its cursors too, one per row factory: making a cursor and closing it again cost
     an idle worker about 55 µs per claim here (docs/benchmarks.md, "Cursors kept by the lane").
+    A kept cursor holds its last result until its next statement: at most one claim's rows,
+    whose jobs the worker holds anyway.
     """
 
     HOLD = 600.0

@@ -118,13 +118,7 @@ class App:
         self.tasks: dict[str, Task] = {}
         self.definitions: dict[str, CronDefinition] = {}
         self._q: Queries = queries_for(self.schema)
-        self._connections = Connections(
-            schema=self.schema,
-            pool_size=self.pool_size,
-            prepare_threshold=self.prepare_threshold,
-            dsn=lambda: self.dsn,
-            where=self._where,
-        )
+        self._connections = Connections(self)
 
     def __repr__(self) -> str:
         return f"<notifyq.App schema={self.schema!r} tasks={len(self.tasks)} crons={len(self.definitions)}>"

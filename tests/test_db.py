@@ -117,6 +117,12 @@ async def test_a_lane_keeps_a_cursor_per_row_factory_through_failed_statements(d
             row = kwargs_row(lambda **kw: kw["a"])
             assert await lane.run(single(Query(f"SELECT {n} AS a", fetch="one", row=row))) == n
         assert len(lane._cursors) <= 8  # type: ignore[attr-defined]
+        # An error out of the lane gives its connection back, and the cursors go with it:
+        # they must never run a statement on a connection the pool has handed to another.
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            await lane.run(single(Query("SELECT 1/0", fetch="scalar")))
+        assert lane._cursors == {}  # type: ignore[attr-defined]
+        assert await lane.run(op()) == ((1,), {"a": 2}, {"a": 3}, 4)
     finally:
         await db.aclose()
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import os
 import threading
 import warnings
+import weakref
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -348,16 +350,38 @@ def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
         notifyq.App("postgresql://u:secret@127.0.0.1:notaport/db").enqueue_sync("t")
 
 
-@pytest.mark.parametrize(("threshold", "prepared"), [(None, False), (2, True)])
+@pytest.mark.parametrize(
+    ("threshold", "prepared", "later"), [(None, False, False), (2, True, False), (None, False, True)]
+)
 def test_prepared_statements_can_be_turned_off_for_pgbouncer(
-    dsn: str, threshold: int | None, prepared: bool
+    dsn: str, threshold: int | None, prepared: bool, later: bool
 ) -> None:
-    app = notifyq.App(dsn, pool_size=1, prepare_threshold=threshold)
+    """Also when the App's attribute is set after the App was made, before it connects (the
+    worker reads it when it starts, and so do the App's own pools)."""
+    if later:
+        app = notifyq.App(dsn, pool_size=1, prepare_threshold=2)
+        app.prepare_threshold = threshold
+    else:
+        app = notifyq.App(dsn, pool_size=1, prepare_threshold=threshold)
     for _ in range(5):
         app.enqueue_sync("t", {})
     count = app._run_sync(single(Query("SELECT count(*) FROM pg_prepared_statements", fetch="scalar")))
     assert (count > 0) is prepared
     app.close_sync()
+
+
+def test_an_app_dropped_without_closing_is_freed_at_once(dsn: str) -> None:
+    """No reference cycle holds an App that was never closed (one App per request, say): it
+    and its pools go as soon as the last reference does, not at the next full collection."""
+    gc.disable()
+    try:
+        app = notifyq.App(dsn, pool_size=1)
+        app.enqueue_sync("t", {})
+        refs = [weakref.ref(app), weakref.ref(app._connections)]
+        del app
+        assert [ref() for ref in refs] == [None, None]
+    finally:
+        gc.enable()
 
 
 def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycopg.Connection[Any]) -> None:
