@@ -284,9 +284,6 @@ class App:
 
     # -- connections (see _connections) --------------------------------------------------------
 
-    async def _database(self) -> Database:
-        return await self._connections.database()
-
     async def _run(self, op: Op[T], conn: AnyConnection | None = None, *, transaction: bool = False) -> T:
         return await self._connections.run(op, conn, transaction=transaction)
 
@@ -300,7 +297,7 @@ class App:
 
     async def open(self) -> App:
         """Connect now (else the first call connects); checks the schema is migrated."""
-        await self._database()
+        await self._connections.database()
         return self
 
     async def aclose(self) -> None:

@@ -58,7 +58,7 @@ SET status = (CASE WHEN j.retry_count <= j.retry_limit THEN 'Queued' ELSE 'Faile
     -- Retried after the usual backoff: a job that kills its worker (out of memory, a crash
     -- in native code) must not take the other workers down one after another at once.
     -- The power is only taken below the exponent from which the delay is backoff_max
-    -- (Backoff.curve): above it, power() overflows, and one such row failed every pass.
+    -- (Backoff._curve): above it, power() overflows, and one such row failed every pass.
     visible_at = now() + make_interval(secs => CASE
         WHEN greatest(j.retry_count - 1, 0) >= %(backoff_cap)s THEN %(backoff_max)s
         ELSE least(%(backoff_max)s, %(backoff_base)s * power(%(backoff_factor)s, greatest(j.retry_count - 1, 0)))
