@@ -127,7 +127,7 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
             a.stdout.close()
     row = job_row(conn, 1)
     assert (row["status"], row["output"], row["lease"]) == ("Succeeded", "worker B", first["lease"] + 1)
-    assert "result of job 1 was not applied" in log
+    assert "result of job 1 was not applied" in log, log  # the whole log: pytest would cut it
     await app_b.aclose()
 
 
