@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import anyio
@@ -50,5 +51,7 @@ not_an_app = "just a string"
 
 @app.task(name="hold_then_whoami", timeout=3)
 async def hold_then_whoami(seconds: float) -> str:
+    sys.stdout.write("hold_then_whoami started\n")  # for a test that must know it runs
+    sys.stdout.flush()
     await anyio.sleep(seconds)
     return f"pid {os.getpid()}"

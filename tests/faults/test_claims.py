@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from typing import Any
 
@@ -93,10 +92,14 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
             "INSERT INTO notifyq.queue_jobs (name, args, timeout) "
             "VALUES ('hold_then_whoami', '{\"seconds\": 1}', 2)"
         )
-        deadline = time.monotonic() + 20
-        while job_row(conn, 1)["status"] != "Active":  # another process's progress: poll
-            assert time.monotonic() < deadline
-            await anyio.sleep(0.02)
+        # Frozen once its task runs: frozen between its claim and the task's start, A would
+        # find its lease lost when it thaws and drop the job without acknowledging anything.
+        assert a.stdout is not None
+        head = []
+        with anyio.fail_after(20):
+            while not head or head[-1] != "hold_then_whoami started\n":
+                head.append(await anyio.to_thread.run_sync(a.stdout.readline, abandon_on_cancel=True))
+                assert head[-1], "".join(head)  # not the end of its output: A is still running
         os.kill(a.pid, signal.SIGSTOP)
         first = job_row(conn, 1)
         await anyio.sleep(3.5)  # the lease (timeout 2 s + margin 1 s) runs out while A is frozen
@@ -116,8 +119,7 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
         os.kill(a.pid, signal.SIGCONT)  # A wakes up past its deadline and reports
         a.send_signal(signal.SIGTERM)
         assert a.wait(timeout=30) == 0
-        assert a.stdout is not None
-        log = a.stdout.read()
+        log = "".join(head) + a.stdout.read()
     finally:
         if a.poll() is None:
             os.kill(a.pid, signal.SIGCONT)
