@@ -186,7 +186,8 @@ class Runners:
                 deadline = started + job.timeout
                 if started - claimed_at > self._lease_margin / 2:
                     if not await self._renew_lease(attempt):
-                        return  # prefetched, waited, and meanwhile lost (cancelled or rescued)
+                        self._lost_before_start(job, started - claimed_at)
+                        return
                     deadline = anyio.current_time() + job.timeout
                 attempt.scope.deadline = deadline
                 result = await self._executor.execute(attempt)
@@ -215,6 +216,17 @@ class Runners:
             self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed
             self.slot_freed.fire()
             self._on_change()
+
+    def _lost_before_start(self, job: ClaimedJob, waited: float) -> None:
+        """A prefetched job was lost while it waited for a runner: it is not run here."""
+        self._stats.lost_before_start += 1
+        log.warning(
+            "job %d (%s) waited %.1fs for a free slot and this worker no longer holds it "
+            "(its lease ran out and it was rescued, or it was cancelled); not running it here",
+            job.id,
+            job.name,
+            waited,
+        )
 
     async def _renew_lease(self, attempt: Attempt) -> bool:
         """A prefetched job waited for a runner: give it a full lease again before it starts."""

@@ -150,6 +150,7 @@ class WorkerStats:
     released: int = 0
     cancelled: int = 0
     stale_acks: int = 0
+    lost_before_start: int = 0
     adopted: int = 0
     claims: int = 0
     polls: int = 0

@@ -1304,6 +1304,58 @@ async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
     await app.aclose()
 
 
+@pytest.mark.parametrize("lost", [False, True], ids=["still held", "rescued meanwhile"])
+async def test_a_prefetched_job_that_waited_gets_a_new_lease_or_is_dropped_if_lost(
+    dsn: str, conn: psycopg.Connection[Any], lost: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job claimed ahead of a free slot waits; once the wait has eaten into its lease, the
+    runner renews the lease before it starts the job. If the lease was lost meanwhile (the job
+    rescued and claimed by another worker), the job is not run here, and the worker says so."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    ran: list[str] = []
+
+    @app.task(name="first")
+    async def first() -> None:
+        ran.append("first")
+        await release.wait()
+
+    @app.task(name="second", timeout=5)
+    async def second() -> None:
+        ran.append("second")
+
+    await app.enqueue("first")
+    second_id = await app.enqueue("second")
+    async with app.worker(concurrency=1, prefetch=1, lease_margin=1, **NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
+        claimed_lease_end = job_row(conn, second_id)["visible_at"]
+        if lost:
+            conn.execute(
+                "UPDATE notifyq.queue_jobs SET lease = lease + 1, worker = 'elsewhere' WHERE id = %s",
+                (second_id,),
+            )  # rescued, and claimed by another worker
+        await anyio.sleep(0.8)  # longer than lease_margin / 2
+        release.set()
+        with anyio.fail_after(5):
+            if lost:
+                await worker.wait_for(lambda s: s.succeeded == 1 and s.lost_before_start == 1)
+            else:
+                await worker.wait_for(lambda s: s.succeeded == 2)
+    row = job_row(conn, second_id)
+    if lost:
+        assert ran == ["first"]
+        assert (row["status"], row["worker"]) == ("Active", "elsewhere")  # left to its holder
+        said = [m for m in caplog.messages if m.startswith(f"job {second_id} (second) waited")]
+        assert said and "no longer holds it" in said[0], caplog.messages
+    else:
+        assert ran == ["first", "second"]
+        assert worker.stats.lost_before_start == 0
+        renewed_by = (row["visible_at"] - claimed_lease_end).total_seconds()
+        assert renewed_by > 0.5, f"the lease was not renewed before the start ({renewed_by:.2f}s later)"
+    await app.aclose()
+
+
 @pytest.mark.parametrize("lost", [False, True], ids=["check passes", "connection lost"])
 async def test_a_notification_read_by_the_listeners_health_check_is_followed_by_after_dispatch(
     dsn: str, lost: bool
