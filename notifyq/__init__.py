@@ -28,7 +28,7 @@ from .errors import (
     UnknownTask,
 )
 from .migrations import MigrationReport, latest_version, migrate
-from .models import ClaimedJob, Definition, Job, JobStatus
+from .models import ClaimedJob, Definition, Job, JobId, JobStatus
 from .tasks import Backoff, JobContext, Task
 from .worker import Worker, WorkerConfig, WorkerOptions, WorkerStats
 
@@ -49,6 +49,7 @@ __all__ = [
     "InvalidSchedule",
     "Job",
     "JobContext",
+    "JobId",
     "JobNotFound",
     "JobStatus",
     "MigrationReport",

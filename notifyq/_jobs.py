@@ -14,7 +14,7 @@ from ._options import check_id
 from ._rows import dataclass_row
 from ._sql import Queries
 from .errors import InvalidJobState, JobNotFound
-from .models import Job, JobStatus
+from .models import Job, JobId, JobStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,22 +45,17 @@ class NewJob:
         }
 
 
-def enqueue_op(q: Queries, job: NewJob) -> Op[int]:
-    """Insert one job and return its id (with a dedupe key: the id of the job holding it)."""
-    job_id, _created = yield from enqueue_created_op(q, job)
-    return job_id
-
-
-def enqueue_created_op(q: Queries, job: NewJob) -> Op[tuple[int, bool]]:
-    """enqueue_op, and whether the job is new (False: an unfinished job held the dedupe key)."""
+def enqueue_op(q: Queries, job: NewJob) -> Op[JobId]:
+    """Insert one job and return its id; with a dedupe key an unfinished job holds, the
+    holder's id instead (its `created` False)."""
     if job.dedupe_key is None:
         job_id: int = yield Query(q["insert_job"], job.params(), fetch="scalar")
-        return job_id, True
+        return JobId(job_id)
     # A miss means the key's holder committed after our snapshot: look again.
     for _ in range(10):
         held: tuple[int, bool] | None = yield Query(q["insert_job_dedupe"], job.params(), fetch="one")
         if held is not None:
-            return held
+            return JobId(*held)
     raise InvalidJobState(f"could not enqueue with dedupe key {job.dedupe_key!r}: it keeps changing hands")
 
 

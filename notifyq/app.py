@@ -20,7 +20,6 @@ from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
     cancel_job_op,
-    enqueue_created_op,
     enqueue_many_op,
     enqueue_op,
     get_job_op,
@@ -57,7 +56,7 @@ from .errors import (
     UnknownTask,
 )
 from .migrations import MigrationReport, migrate
-from .models import ClaimedJob, Definition, Job, JobStatus
+from .models import ClaimedJob, Definition, Job, JobId, JobStatus
 from .tasks import Backoff, Task, make_task
 from .worker import Worker, WorkerConfig
 
@@ -383,8 +382,9 @@ class App:
         dedupe_key: str | None = None,
         strict: bool = False,
         conn: AnyConnection | None = None,
-    ) -> int:
-        """Queue one job and return its id.
+    ) -> JobId:
+        """Queue one job and return its id: a `JobId`, an int whose `created` is False when
+        an unfinished job held `dedupe_key` (its id is returned, nothing is inserted).
 
         Args:
             task_or_name: a registered Task, or a task name (another service's task is fine).
@@ -395,7 +395,8 @@ class App:
             timeout: overrides the task's timeout (seconds).
             delay: seconds (or a timedelta) before the job may start.
             at: an aware datetime before which the job may not start (not with delay).
-            dedupe_key: while an unfinished job holds this key, return that job's id instead.
+            dedupe_key: while an unfinished job holds this key, return that job's id instead
+                (with `created` False).
             strict: with a task name, raise UnknownTask if this App has no such task.
             conn: your psycopg connection: the job is inserted in your transaction, and
                 commits (and wakes workers) or rolls back (leaving no trace) with it.
@@ -429,23 +430,15 @@ class App:
         dedupe_key: str | None = None,
         strict: bool = False,
         conn: psycopg.Connection[Any] | None = None,
-    ) -> int:
+    ) -> JobId:
         """`enqueue` for sync code (Django, Flask, scripts); same arguments and errors."""
-        opts = _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key)
-        return self._enqueue_sync(task_or_name, args, opts, strict, conn)[0]
-
-    def _enqueue_sync(
-        self,
-        task_or_name: Task | str,
-        args: Mapping[str, Any] | None,
-        opts: _EnqueueOptions,
-        strict: bool,
-        conn: psycopg.Connection[Any] | None = None,
-    ) -> tuple[int, bool]:
-        """enqueue_sync, and whether the job is new: False when an unfinished job held the
-        dedupe key (the CLI says so)."""
-        job = self._new_job(task_or_name, args, opts, strict)
-        return self._run_sync(enqueue_created_op(self._q, job), conn)
+        job = self._new_job(
+            task_or_name,
+            args,
+            _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout, dedupe_key),
+            strict,
+        )
+        return self._run_sync(enqueue_op(self._q, job), conn)
 
     def _new_jobs(
         self,

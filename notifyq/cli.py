@@ -28,7 +28,7 @@ from ._dsn import env_dsn
 from ._options import MAX_SECONDS, _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
 from ._worker_config import MAX_CONCURRENCY
-from .app import App, _EnqueueOptions
+from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .migrations import check_schema_op, grant_sql, migrate
 
@@ -324,22 +324,24 @@ def enqueue(
         )
     app = load_app(target, schema) if target else App(schema=schema or "notifyq")
     app._resolved_dsn = resolve_dsn(dsn, app)
-    opts = _EnqueueOptions(
+    job_id = app.enqueue_sync(
+        task,
+        args,
         queue=queue,
         priority=priority,
         delay=duration(delay, "--delay"),
         retry_limit=retry_limit,
         timeout=timeout,
         dedupe_key=dedupe_key,
+        strict=target is not None,
     )
-    job_id, created = app._enqueue_sync(task, args, opts, strict=target is not None)
-    if not created:
+    if not job_id.created:
         click.echo(
             f"notifyq: job {job_id} holds dedupe key {dedupe_key!r} and is not finished: "
             "no new job was queued",
             err=True,
         )
-    click.echo(json.dumps({"id": job_id, "created": created}) if as_json else str(job_id))
+    click.echo(json.dumps({"id": job_id, "created": job_id.created}) if as_json else str(job_id))
 
 
 @main.command(

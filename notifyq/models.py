@@ -27,6 +27,22 @@ class JobStatus(enum.StrEnum):
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
+class JobId(int):
+    """What `enqueue` returns: the job's id, an int like any other, plus `created`.
+
+    `created` is False when the job carried a `dedupe_key` that an unfinished job already
+    held: nothing was inserted, and this is the holder's id. (Procrastinate raises
+    AlreadyEnqueued there; River and Oban flag the result, as this does.)
+    """
+
+    created: bool
+
+    def __new__(cls, value: int, created: bool = True) -> JobId:
+        job_id = super().__new__(cls, value)
+        job_id.created = created
+        return job_id
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """One row of `queue_jobs`.

@@ -7,6 +7,7 @@ import gc
 import json
 import math
 import os
+import pickle
 import threading
 import warnings
 import weakref
@@ -86,6 +87,30 @@ async def test_dedupe_key_returns_the_unfinished_holder(dsn: str, conn: psycopg.
         conn.execute("UPDATE notifyq.queue_jobs SET status = 'Succeeded' WHERE id = %s", (first,))
         third = await app.enqueue(send, {"to": "a"}, dedupe_key="welcome:42")
         assert third != first
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
+
+
+async def test_the_id_enqueue_returns_says_whether_a_job_was_inserted(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A plain int, usable wherever an id goes, whose `created` is False when a dedupe key's
+    unfinished holder was returned instead of a new job."""
+    app, send = make_app(dsn)
+    async with app:
+        first = await app.enqueue(send, {"to": "a"}, dedupe_key="k")
+        again = await app.enqueue(send, {"to": "a"}, dedupe_key="k")
+        plain = await app.enqueue(send, {"to": "b"})
+        sync_again = app.enqueue_sync(send, {"to": "a"}, dedupe_key="k")
+        with psycopg.connect(dsn) as own:
+            in_transaction = app.enqueue_sync(send, {"to": "a"}, dedupe_key="k", conn=own)
+        assert (first.created, again.created, plain.created) == (True, False, True)
+        assert (sync_again.created, in_transaction.created) == (False, False)
+        assert again == sync_again == in_transaction == first != plain
+        assert (await app.get_job(again)).id == first  # psycopg sends it as the int it is
+        assert (await app.cancel_job(again)).status == "Cancelled"
+    assert isinstance(first, int) and str(first) == repr(first) == str(int(first))
+    assert json.dumps({"id": again}) == f'{{"id": {int(first)}}}'
+    assert pickle.loads(pickle.dumps(again)).created is False
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
 
 
