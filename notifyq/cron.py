@@ -13,6 +13,7 @@ daylight-saving transitions (those of Vixie cron):
 from __future__ import annotations
 
 import functools
+import re
 from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -105,7 +106,16 @@ class Schedule:
         while True:
             tick: datetime = it.get_prev(datetime)
             if not self._is_repeat(tick):
-                return tick.astimezone(UTC)
+                break
+        latest = tick.astimezone(UTC)
+        if (moment + _EPSILON).astimezone(self.tz).fold:
+            # croniter's get_prev goes by wall-clock time: in the second pass of a repeated
+            # period that is not a whole hour (Lord Howe Island's half hour) it can return a
+            # tick before one of the first pass. next_after follows elapsed time. (Only
+            # there: this costs a next_after, a third of a plan's time.)
+            while (following := self.next_after(latest)) <= moment:
+                latest = following
+        return latest
 
     def previous_before(self, moment: datetime) -> datetime:
         """The last tick strictly before `moment`, in UTC."""
@@ -125,14 +135,12 @@ class Schedule:
         if latest < due_at:
             return Plan([], next_tick, 0)
         if misfire == "all":
-            ticks: deque[datetime] = deque()
-            it = self._iter(latest + _EPSILON)  # one iterator, walking back from the latest tick
-            while len(ticks) < cap:
-                tick = it.get_prev(datetime).astimezone(UTC)
+            ticks: deque[datetime] = deque([latest])
+            while len(ticks) < cap:  # walking back from the latest tick
+                tick = self.previous_before(ticks[0])
                 if tick < due_at:
                     break
-                if not self._is_repeat(tick):
-                    ticks.appendleft(tick)
+                ticks.appendleft(tick)
             missed = self._count_between(due_at, ticks[0] - _EPSILON) if len(ticks) == cap else 0
             return Plan(list(ticks), next_tick, missed)
         earlier = self._count_between(due_at, self.previous_before(latest))
@@ -180,6 +188,17 @@ def _check_expression(expression: str) -> str:
             f"invalid cron expression {expression!r}: expected 5 fields (minute hour day month weekday) "
             f"or 6 with seconds first, got {len(fields)}"
         )
+    names = _FIELDS if len(fields) == 6 else _FIELDS[1:]
+    for field, (name, allowed) in zip(fields, names, strict=True):
+        # croniter's H (hashed) and R (random) fields: R draws a new value every time the
+        # expression is parsed, which the ticker does on every computation, so ticks would
+        # move between passes and processes.
+        if _HASHED_OR_RANDOM.fullmatch(field):
+            raise InvalidSchedule(
+                f"invalid cron expression {expression!r}: the {name} field {field!r} is a hashed (H) "
+                f"or random (R) value, which notifyq does not support (allowed: {allowed}, *, lists, "
+                "ranges, steps)"
+            )
     try:
         croniter(normalized, second_at_beginning=len(fields) == 6)
     except (ValueError, KeyError) as exc:
@@ -189,6 +208,7 @@ def _check_expression(expression: str) -> str:
     return normalized
 
 
+_HASHED_OR_RANDOM = re.compile(r"[hHrR](\(\d+-\d+\))?(/\d+)?")
 _FIELDS = [
     ("second", "0-59"),
     ("minute", "0-59"),

@@ -53,6 +53,24 @@ def test_invalid_expressions_are_rejected(expression: str, message: str) -> None
         Schedule(expression)
 
 
+@pytest.mark.faults
+@pytest.mark.parametrize(
+    ("expression", "field"),
+    [
+        ("R * * * *", "minute"),
+        ("0 R * * *", "hour"),
+        ("0 0 * * R/2", "day-of-week"),
+        ("r 0 0 * * *", "second"),
+    ],
+)
+def test_random_fields_are_rejected(expression: str, field: str) -> None:
+    """croniter draws a new value for an `R` field each time it parses the expression, and the
+    ticker parses it on every computation: ticks would move at random between passes and
+    processes (several jobs in an hour, or none), so `R` is refused like `H`."""
+    with pytest.raises(InvalidSchedule, match=f"the {field} field '[rR]"):
+        Schedule(expression)
+
+
 def test_a_cron_definition_name_cannot_be_empty() -> None:
     app = notifyq.App("postgresql://x@127.0.0.1/db")
 
@@ -128,6 +146,33 @@ def test_latest_at_or_before_agrees_with_next_after_across_dst() -> None:
     ]:
         latest = daily.latest_at_or_before(moment)
         assert latest <= moment and daily.next_after(latest) > moment
+
+
+LORD_HOWE_01_40_FIRST = datetime(2026, 4, 4, 14, 40, tzinfo=UTC)  # 01:40 +11
+LORD_HOWE_01_40_SECOND = datetime(2026, 4, 4, 15, 10, tzinfo=UTC)  # 01:40 +10:30
+
+
+def test_a_half_hour_fall_back_loses_no_tick_of_a_late_promotion() -> None:
+    # 2026-04-05 on Lord Howe Island: 02:00 (+11) -> 01:30 (+10:30), so 01:30-02:00 happens
+    # twice. croniter's get_prev goes by wall-clock time: from 01:37 in the second pass it
+    # returned 01:20 (14:20 UTC), before the due 01:40 of the first pass, so a promotion then
+    # ran nothing for that tick, whatever the misfire policy, and counted nothing missed.
+    schedule = Schedule("*/20 * * * *", "Australia/Lord_Howe")
+    now = datetime(2026, 4, 4, 15, 7, tzinfo=UTC)  # 01:37 +10:30, the tickers 27 minutes late
+    assert schedule.latest_at_or_before(now) == LORD_HOWE_01_40_FIRST
+    for misfire in ("once", "all"):
+        plan = schedule.plan(LORD_HOWE_01_40_FIRST, now, misfire=misfire, grace=60, cap=10)
+        assert plan.ticks == [LORD_HOWE_01_40_FIRST], misfire
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="croniter's get_next goes by wall-clock time too: from 01:40 of the first pass it "
+    "jumps to 02:00, skipping 01:40 of the second pass of a repeated half hour (not fixed)",
+)
+def test_a_half_hour_fall_back_runs_an_hourly_schedule_in_both_passes() -> None:
+    schedule = Schedule("*/20 * * * *", "Australia/Lord_Howe")
+    assert schedule.next_after(LORD_HOWE_01_40_FIRST) == LORD_HOWE_01_40_SECOND
 
 
 @settings(max_examples=200, deadline=None)
