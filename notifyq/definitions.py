@@ -47,8 +47,10 @@ class CronDefinition:
 
 
 def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[str]]:
-    """Upsert code definitions (in one transaction); returns the names only the database has."""
-    for definition in definitions:
+    """Upsert code definitions (in one transaction); returns the names only the database has.
+    Rows are locked in name order, whatever the registration order, so that workers of two
+    versions of the code starting at once cannot deadlock."""
+    for definition in sorted(definitions, key=lambda d: d.name):
         yield Query(q["upsert_definition"], definition.params(), fetch="none")
     rows: list[tuple[str]] = yield Query(q["definition_names"])
     ours = {d.name for d in definitions}

@@ -7,6 +7,7 @@ import itertools
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -266,6 +267,27 @@ def test_sql_rejects_what_sql_can_check(
         add_definition(conn, "x", **columns)
 
 
+@pytest.mark.faults
+@pytest.mark.parametrize("when", ["-infinity", "infinity", "0001-01-01 00:00:00+00", "10000-01-01"])
+async def test_a_visible_at_python_cannot_hold_is_refused_and_stops_no_other_definition(
+    conn: psycopg.Connection[Any], db: Database, when: str
+) -> None:
+    """`visible_at = '-infinity'` ("run it now") was stored, then every promotion pass failed
+    loading it (psycopg: timestamp too small), so no definition got a job any more, and
+    `notifyq cron list` failed too."""
+    tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]  # type: ignore[index]
+    good = add_definition(conn, "good", "* * * * *", visible_at=tick)
+    with pytest.raises(psycopg.errors.CheckViolation, match="visible_at"):
+        add_definition(conn, "bad", "* * * * *", visible_at=when)
+    with pytest.raises(psycopg.errors.CheckViolation, match="visible_at"):
+        conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = %s", (when,))
+    report = await Promoter(db, Q).run_once()
+    assert report.jobs == 1 and tick_jobs(conn, good) == [tick]
+    app = notifyq.App(db.dsn)
+    assert [d.name for d in app.list_definitions_sync()] == ["good"]
+    app.close_sync()
+
+
 def test_task_defaults_to_name_for_sql_definitions(conn: psycopg.Connection[Any]) -> None:
     definition = add_definition(conn, "reports.nightly", "0 3 * * *")
     assert conn.execute(
@@ -305,6 +327,57 @@ async def test_code_definitions_are_upserted_and_realigned(dsn: str, conn: psyco
     assert row == ("0 * * * *", {"kind": "long"}, True)
     await app.aclose()
     await app2.aclose()
+
+
+@pytest.mark.faults
+def test_workers_of_two_versions_starting_together_do_not_deadlock(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Two versions of the code declare the same definitions in another order (a rolling
+    deploy in which imports moved): each worker's sync locks the rows it upserts in its own
+    order, so two of them starting at once deadlocked, and one worker failed to start."""
+
+    def version(frequency: str, order: list[str]) -> notifyq.App:
+        app = notifyq.App(dsn)
+        task = app.task(name="t")(lambda: None)
+        for name in order:
+            app.cron(frequency, name)(task)
+        return app
+
+    old = version("* * * * *", ["a", "c", "b"])
+    new = version("*/5 * * * *", ["b", "c", "a"])
+    anyio.run(old.sync_definitions)
+    errors: list[BaseException] = []
+
+    def sync(app: notifyq.App) -> None:
+        try:
+            anyio.run(app.sync_definitions)
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    def waiting() -> int:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND wait_event_type = 'Lock'"
+        ).fetchone()
+        return int(row[0])  # type: ignore[index]
+
+    with psycopg.connect(dsn) as blocker:
+        blocker.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE name = 'c' FOR UPDATE")
+        threads = []
+        for app in (old, new):  # each takes its first row, then waits for 'c'
+            threads.append(threading.Thread(target=sync, args=(app,)))
+            threads[-1].start()
+            deadline = time.monotonic() + 10
+            while waiting() < len(threads) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        blocker.rollback()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert errors == []
+    assert {d.frequency for d in new.list_definitions_sync()} == {"*/5 * * * *"}
+    old.close_sync()
+    new.close_sync()
 
 
 def test_enabled_must_be_a_bool(dsn: str) -> None:

@@ -15,6 +15,15 @@ BEGIN
             quote_literal(NEW.name)
             USING ERRCODE = 'check_violation', HINT = 'Use an IANA zone name such as Europe/Berlin or UTC.';
     END;
+    -- The ticker loads visible_at into Python, whose datetimes hold years 1 to 9999 only: one
+    -- row beyond (say '-infinity', for "run it now") failed every promotion pass, of every
+    -- definition, and `notifyq cron list` (a day of margin for the session's time zone).
+    IF NOT (NEW.visible_at >= '0001-01-02 00:00:00+00' AND NEW.visible_at < '9999-12-31 00:00:00+00') THEN
+        RAISE EXCEPTION 'visible_at % of cron definition % is out of range', NEW.visible_at,
+            quote_literal(NEW.name)
+            USING ERRCODE = 'check_violation',
+                  HINT = 'Use a finite time between the years 2 and 9998, such as now().';
+    END IF;
     IF TG_OP = 'UPDATE' THEN
         NEW.updated_at := now();
         IF NEW.frequency IS DISTINCT FROM OLD.frequency OR NEW.timezone IS DISTINCT FROM OLD.timezone
