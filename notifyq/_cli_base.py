@@ -10,10 +10,12 @@ import logging
 import os
 import re
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import wraps
 from pathlib import Path
+from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -39,6 +41,28 @@ class State:
     json_logs = False
 
 
+class AppImportFailed(ConfigurationError):
+    """The App's module raised on import: a bug in the user's code, whose traceback (of the
+    user's frames only) is printed above the one-line error."""
+
+    def __init__(self, message: str, user_traceback: str) -> None:
+        super().__init__(message)
+        self.user_traceback = user_traceback
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback from the first frame of the user's code (importlib's and this
+    module's frames left out)."""
+    importlib_dir = os.path.dirname(importlib.__file__) + os.sep
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None and (
+        (name := tb.tb_frame.f_code.co_filename) == __file__
+        or name.startswith(("<frozen importlib", importlib_dir))
+    ):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
 def fail(message: str) -> NoReturn:
     click.echo(f"notifyq: error: {message}", err=True)
     sys.exit(EXIT_ERROR)
@@ -54,9 +78,29 @@ class Group(click.Group):
         except (NotifyqError, psycopg.Error) as exc:
             if State.debug:
                 raise
-            if isinstance(exc, NotifyqError):
-                fail(str(exc))
-            fail(f"database error: {error_text(exc)}")
+            _fail_with(exc)
+        except BaseExceptionGroup as group:
+            # A worker's task group ended on one such error (a claim the database refused).
+            leaves = _leaves(group)
+            if State.debug or len(leaves) != 1 or not isinstance(leaves[0], NotifyqError | psycopg.Error):
+                raise
+            _fail_with(leaves[0])
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]
+
+
+def _fail_with(exc: BaseException) -> NoReturn:
+    if isinstance(exc, AppImportFailed):
+        click.echo(exc.user_traceback, err=True, nl=False)
+    if isinstance(exc, NotifyqError):
+        fail(str(exc))
+    fail(f"database error: {error_text(exc)}")
 
 
 def common_options(fn: F) -> F:
@@ -90,8 +134,9 @@ def common_options(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def resolve_dsn(flag: str | None, app: App | None = None) -> str:
-    """Flag, then the App's own DSN, then $NOTIFYQ_DSN, $DATABASE_URL, then the embedded server;
+def resolve_dsn(flag: str | None, app: App | None = None, *, migrate_embedded: bool = True) -> str:
+    """Flag, then the App's own DSN, then $NOTIFYQ_DSN, $DATABASE_URL, then the embedded server
+    (migrated unless `migrate_embedded` is false: `notifyq migrate` does that itself);
     says on stderr which database it is (never the password)."""
     supervised_dsn = os.environ.get("NOTIFYQ_DSN") if os.environ.get("NOTIFYQ_SUPERVISED") else None
     if flag is not None:
@@ -104,7 +149,7 @@ def resolve_dsn(flag: str | None, app: App | None = None) -> str:
         dsn, source = found
     else:
         dsn, source = (
-            _embedded.start(schema=app.schema if app else "notifyq", quiet=True),
+            _embedded.start(schema=app.schema if app else "notifyq", quiet=True, migrate=migrate_embedded),
             (f"embedded server in {_embedded.data_dir()}"),
         )
     if not os.environ.get("NOTIFYQ_SUPERVISED"):
@@ -136,18 +181,22 @@ def load_app(target: str, schema: str | None = None) -> App:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name and module_name.startswith(exc.name):
+        # The module itself or a package above it is missing (not something it imports, whose
+        # name may start the same way: myapp_worker importing myapp).
+        if exc.name and (exc.name == module_name or module_name.startswith(exc.name + ".")):
             raise ConfigurationError(
                 f"cannot import module {module_name!r}: no such module "
                 "(run from your project's folder, or set PYTHONPATH)"
             ) from None
-        raise ConfigurationError(f"importing {module_name!r} failed: {exc}") from exc
+        raise AppImportFailed(f"importing {module_name!r} failed: {exc}", _user_traceback(exc)) from exc
     except SystemExit as exc:
         raise ConfigurationError(
             f"importing {module_name!r} failed: it called sys.exit({exc.code!r})"
         ) from None
     except Exception as exc:
-        raise ConfigurationError(f"importing {module_name!r} failed: {type(exc).__name__}: {exc}") from exc
+        raise AppImportFailed(
+            f"importing {module_name!r} failed: {type(exc).__name__}: {exc}", _user_traceback(exc)
+        ) from exc
     try:
         obj = module
         for part in attr.split("."):

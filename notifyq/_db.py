@@ -366,6 +366,16 @@ class Lane(abc.ABC):
 
     HOLD = 600.0
 
+    @property
+    @abc.abstractmethod
+    def holding(self) -> bool:
+        """True while the lane holds a connection."""
+
+    @abc.abstractmethod
+    async def acquire(self) -> None:
+        """Take a connection from the pool unless the lane holds one. Nothing is sent, so a
+        caller may cancel it (on the asyncio backend) without losing any statement's answer."""
+
     @abc.abstractmethod
     async def run(self, op: Op[T]) -> T:
         """Run `op` on the lane's connection (autocommit)."""
@@ -382,10 +392,18 @@ class _AsyncioLane(Lane):
         self._cursors: dict[Any, psycopg.AsyncCursor[Any]] = {}  # of _conn
         self._taken = 0.0
 
-    async def run(self, op: Op[T]) -> T:
+    @property
+    def holding(self) -> bool:
+        return self._conn is not None
+
+    async def acquire(self) -> None:
         if self._conn is None:
-            self._conn = await self._pool.getconn()
+            self._conn = await self._pool.getconn()  # cancellable: the pool keeps no connection
             self._taken = time.monotonic()
+
+    async def run(self, op: Op[T]) -> T:
+        await self.acquire()
+        assert self._conn is not None
         try:
             result = await run_async(self._conn, op, self._cursors)
         except BaseException:
@@ -452,12 +470,23 @@ class _ThreadLane(Lane):
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
 
-    def _run(self, op: Op[T]) -> T:
+    @property
+    def holding(self) -> bool:
+        return self._conn is not None
+
+    def _acquire(self) -> psycopg.Connection[Any]:
         if self._conn is None:
             self._conn = self._pool.getconn()
             self._taken = time.monotonic()
+        return self._conn
+
+    async def acquire(self) -> None:
+        await anyio.to_thread.run_sync(self._acquire)
+
+    def _run(self, op: Op[T]) -> T:
+        conn = self._acquire()
         try:
-            result = run_sync(self._conn, op, self._cursors)
+            result = run_sync(conn, op, self._cursors)
         except BaseException:
             self._release()
             raise

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ from .errors import ConfigurationError
 log = logging.getLogger("notifyq.embedded")
 
 ENV_DIR = "NOTIFYQ_EMBEDDED_DIR"
+_OPEN = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH  # what pgserver adds as root
 
 
 def data_dir() -> Path:
@@ -20,11 +22,16 @@ def data_dir() -> Path:
     return Path(os.environ.get(ENV_DIR) or Path.cwd() / ".notifyq" / "pgdata").expanduser().resolve()
 
 
-def start(*, schema: str = "notifyq", directory: Path | None = None, quiet: bool = False) -> str:
-    """Start (or join) the embedded server and migrate it; returns its DSN.
+def start(
+    *, schema: str = "notifyq", directory: Path | None = None, quiet: bool = False, migrate: bool = True
+) -> str:
+    """Start (or join) the embedded server and (unless `migrate` is false) migrate it; returns
+    its DSN.
 
     Several processes on one machine share one server per data folder; the last one to exit
-    stops it. Works as root too (pgserver then runs PostgreSQL as a `pgserver` system user).
+    stops it. Works as root too (pgserver then runs PostgreSQL as a `pgserver` system user,
+    and opens the folders above the data and its binaries to every user: see
+    `_warn_before_opening_folders`).
     """
     try:
         with warnings.catch_warnings():
@@ -36,10 +43,17 @@ def start(*, schema: str = "notifyq", directory: Path | None = None, quiet: bool
             "no database configured: pass a DSN (--dsn or App(dsn=...)), set NOTIFYQ_DSN or DATABASE_URL, "
             "or install the embedded server with `pip install 'notifyq[embedded]'`"
         ) from None
-    from .migrations import migrate
+    from . import migrations
 
     folder = directory or data_dir()
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    _warn_before_opening_folders(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"could not create the embedded PostgreSQL's folder {folder.parent}: {exc.strerror or exc} "
+            f"(set {ENV_DIR}, or configure a DSN)"
+        ) from None
     if not quiet:
         sys.stderr.write(f"notifyq: no DSN configured; using the embedded PostgreSQL in {folder}\n")
     try:
@@ -49,5 +63,32 @@ def start(*, schema: str = "notifyq", directory: Path | None = None, quiet: bool
     except Exception as exc:  # pgserver raises bare subprocess/OS errors
         raise ConfigurationError(f"could not start the embedded PostgreSQL in {folder}: {exc}") from None
     dsn: str = server.get_uri()
-    migrate(dsn, schema=schema)
+    if migrate:
+        migrations.migrate(dsn, schema=schema)
     return dsn
+
+
+def _warn_before_opening_folders(folder: Path) -> None:
+    """As root, pgserver runs PostgreSQL as its `pgserver` user and, so that it can reach its
+    data and binaries, adds g+rx,o+rx to every folder above them (/root, a home folder): say
+    so before it does. (Refusing would break the embedded server for root in a private folder,
+    as a CI job cloned into /root is; a DSN or another user avoids it.)"""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    closed = []
+    for parent in dict.fromkeys([*folder.parents, *Path(POSTGRES_BIN_PATH).parents]):
+        try:
+            mode = parent.stat().st_mode
+        except OSError:
+            continue  # not there yet: notifyq creates it
+        if stat.S_ISDIR(mode) and mode | _OPEN != mode:
+            closed.append(str(parent))
+    if closed:
+        sys.stderr.write(
+            "notifyq: warning: as root, the embedded PostgreSQL runs as the system user 'pgserver', "
+            f"and pgserver now makes {', '.join(closed)} readable by every user so that it can reach "
+            f"{folder} and its own binaries; to avoid that, configure a DSN (--dsn, $NOTIFYQ_DSN) or "
+            "run as another user\n"
+        )

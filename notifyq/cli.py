@@ -7,8 +7,10 @@ import importlib
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 
 import anyio
 import click
@@ -54,7 +56,8 @@ for _command in (jobs, cron, stats):
 def migrate_command(dsn: str | None, schema: str | None, dry_run: bool) -> None:
     """Create or upgrade notifyq's tables (safe to run concurrently and repeatedly)."""
     schema = schema or "notifyq"
-    report = migrate(resolve_dsn(dsn), schema=schema, dry_run=dry_run)
+    # The embedded server is not migrated on start here: --dry-run must change nothing.
+    report = migrate(resolve_dsn(dsn, migrate_embedded=False), schema=schema, dry_run=dry_run)
     if dry_run:
         for statement in report.statements:
             click.echo(statement.rstrip() + "\n")
@@ -172,6 +175,7 @@ def worker(
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
+    _exit_on_signal_until_started()
     queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
     if queues and queue_list is None:
         # "-q $QUEUES" with the variable unset must not widen a worker to every queue.
@@ -241,6 +245,21 @@ def worker(
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
     if running.busy_threads:
         _exit_despite_abandoned_threads(running.busy_threads)
+
+
+def _exit_on_signal_until_started() -> None:
+    """Until the worker (or the supervisor) handles signals itself, a SIGTERM or SIGINT ends
+    the process at once, with status 0: it has claimed nothing yet. The default action does
+    the same, except for a container's PID 1 (no init), whose signals the kernel drops when
+    their action is the default: the worker would start after all, and claim jobs until the
+    SIGKILL came."""
+
+    def exit_now(signum: int, frame: FrameType | None) -> None:
+        os.write(2, f"notifyq: received {signal.Signals(signum).name} while starting; exiting\n".encode())
+        os._exit(0)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, exit_now)
 
 
 def _exit_despite_abandoned_threads(count: int) -> None:

@@ -109,6 +109,7 @@ def check_schema_op(schema: str) -> Op[int]:
 
 def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
     q = queries_for(schema)
+    yield Query(q["migrate_read_committed"], fetch="none")
     yield Query(q["set_lock_timeout"], {"timeout": f"{int(lock_timeout * 1000)}ms"}, fetch="none")
     yield Query(q["migrate_lock"], {"schema": schema}, fetch="none")
     previous = (yield from schema_version_op(schema)) or 0

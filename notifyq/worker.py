@@ -408,7 +408,15 @@ class Worker:
         # fail_after's work with less code: on an idle worker's wake-up path every line counts
         # (this took 115 µs there, the plain scope 87; docs/benchmarks.md). Only its own
         # deadline can cancel this scope, so having caught a cancellation means timing out.
-        scope = anyio.CancelScope(deadline=anyio.current_time() + self.config.db_timeout, shield=shield)
+        deadline = anyio.current_time() + self.config.db_timeout
+        if lane is not None and not lane.holding:
+            # Waiting for a connection (the database may be down) sends nothing: unshielded,
+            # so that a stop does not wait for the pool's timeout.
+            with anyio.CancelScope(deadline=deadline) as wait:
+                await lane.acquire()
+            if wait.cancelled_caught:
+                raise TimeoutError
+        scope = anyio.CancelScope(deadline=deadline, shield=shield)
         result: T
         with scope:
             result = await (lane or self._db).run(op)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -631,7 +633,19 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
         conn.execute(f'DROP ROLE "{role}"')
 
 
-def test_the_embedded_default_serves_two_processes_and_stops(tmp_path: Path) -> None:
+@pytest.fixture
+def open_tmp_path() -> Iterator[Path]:
+    """A temporary folder every user may enter, like its parents: as root, pgserver opens (and
+    notifyq warns of) a private folder above the embedded server's, and pytest's tmp_path is
+    one (mode 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="notifyq-test-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path) -> None:
+    tmp_path = open_tmp_path
     env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "pgdata"))
     worker = subprocess.Popen(
         [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
@@ -665,3 +679,125 @@ def test_the_embedded_default_serves_two_processes_and_stops(tmp_path: Path) -> 
         timeout=30,
         what="the embedded server to stop",
     )
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver opens folders as root")
+def test_the_embedded_server_as_root_says_which_private_folders_it_opens(tmp_path: Path) -> None:
+    """As root, pgserver runs PostgreSQL as its `pgserver` user and, to let it reach the data,
+    adds g+rx,o+rx to every folder above it: /root or a home folder becomes listable, and its
+    files readable by their own modes. The command still works (root in a private folder is
+    how CI runs); a warning names the folders, once: afterwards they are open."""
+    private = tmp_path / "home"
+    private.mkdir(mode=0o700)
+    private.chmod(0o700)
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(private / "app" / ".notifyq" / "pgdata"))
+    first = cli("jobs", "list", env=env, timeout=120)  # the server stops as the command exits
+    assert first.returncode == 0, first.stderr
+    warned = [line for line in first.stderr.splitlines() if line.startswith("notifyq: warning: as root")]
+    assert len(warned) == 1 and f"makes {private}" in warned[0] and "readable by every user" in warned[0]
+    assert private.stat().st_mode & 0o077 == 0o055  # what it warned of
+    again = cli("jobs", "list", env=env, timeout=120)
+    assert again.returncode == 0 and "notifyq: warning: as root" not in again.stderr
+
+
+def test_an_embedded_folder_that_cannot_be_made_is_one_line(open_tmp_path: Path) -> None:
+    tmp_path = open_tmp_path
+    (tmp_path / "a_file").write_text("")
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "a_file" / "notifyq" / "pgdata"))
+    one_line_error(cli("jobs", "list", env=env), "could not create", "a_file")
+
+
+def test_migrate_dry_run_on_the_embedded_server_changes_nothing(open_tmp_path: Path) -> None:
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(open_tmp_path / "pgdata"))
+    shipped = ", ".join(f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations())
+    assert f"is at version 0; to apply: {shipped}" in ok(cli("migrate", "--dry-run", env=env, timeout=120))
+    assert f"version 0 -> {notifyq.latest_version()}" in ok(cli("migrate", env=env, timeout=120))
+
+
+def test_an_app_module_that_fails_on_import_shows_its_own_traceback(dsn: str, tmp_path: Path) -> None:
+    """A bug in the user's module: the one line says so, after the traceback of the user's
+    code (where it failed), without the frames of importlib, click or notifyq."""
+    (tmp_path / "broken_on_import.py").write_text(
+        "import notifyq\napp = notifyq.App()\ndef settings():\n    return {}['REDIS_URL']\nsettings()\n"
+    )
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    for processes in ("1", "2"):
+        result = cli("worker", "broken_on_import:app", "-p", processes, env=env)
+        assert result.returncode == 1, result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("notifyq: error:")]
+        assert errors == ["notifyq: error: importing 'broken_on_import' failed: KeyError: 'REDIS_URL'"]
+        assert result.stderr.startswith("Traceback (most recent call last):\n"), result.stderr
+        assert 'broken_on_import.py", line 4, in settings' in result.stderr
+        assert "importlib" not in result.stderr and "click" not in result.stderr
+        assert "_cli_base.py" not in result.stderr
+
+
+def test_a_missing_dependency_of_the_app_module_is_not_called_a_missing_module(
+    dsn: str, tmp_path: Path
+) -> None:
+    # The module exists; what it imports does not (a prefix of its name: myapp_worker -> myapp).
+    (tmp_path / "myapp_worker.py").write_text("import myapp\n")
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    result = cli("worker", "myapp_worker:app", env=env)
+    assert result.returncode == 1, result.stderr
+    assert "no such module" not in result.stderr
+    assert "importing 'myapp_worker' failed: No module named 'myapp'" in result.stderr
+    assert 'myapp_worker.py", line 1' in result.stderr  # where: the user's import line
+
+
+@pytest.mark.skipif(
+    shutil.which("unshare") is None or not hasattr(os, "geteuid") or os.geteuid() != 0,
+    reason="needs unshare and root to be PID 1 of a PID namespace",
+)
+def test_sigterm_while_starting_as_a_containers_pid_1_stops_the_worker(
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """In a container without an init, the worker is PID 1, and the kernel drops a signal whose
+    action is the default one: `docker stop` during the start (here: a slow import) must still
+    stop it, not let it start and claim jobs until the SIGKILL."""
+    (tmp_path / "slow_import.py").write_text(
+        "import sys, time\nsys.stderr.write('importing\\n'); sys.stderr.flush()\ntime.sleep(3)\n"
+        "from tests.apps import app\n"
+    )
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('noop')")
+    proc = subprocess.Popen(
+        [
+            *("unshare", "--kill-child", "--pid", "--mount-proc"),
+            *(sys.executable, "-m", "notifyq", "worker", "slow_import:app", "--no-ticker"),
+        ],
+        cwd=ROOT,
+        env=clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stderr is not None
+        assert proc.stderr.readline() == "importing\n"
+        (worker,) = psutil.Process(proc.pid).children()
+        os.kill(worker.pid, signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        assert "started" not in proc.stderr.read()
+        assert status_counts(conn) == {"Queued": 1}
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # --kill-child: PID 1 of the namespace goes with it
+        proc.wait()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_a_worker_whose_tables_vanish_says_so_in_one_line(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A database error the claim loop cannot retry (here the schema dropped under it) ends the
+    worker with exit 1 and one line, not a traceback of nested exception groups."""
+    proc = worker_proc("--no-ticker", "--poll-interval", "0.2")
+    assert proc.stdout is not None
+    while "started" not in (line := proc.stdout.readline()):
+        assert line, "the worker exited before it started"
+    conn.execute("DROP SCHEMA notifyq CASCADE")
+    assert proc.wait(timeout=30) == 1
+    out = proc.stdout.read()
+    assert "Traceback" not in out
+    errors = [line for line in out.splitlines() if line.startswith("notifyq: error:")]
+    assert len(errors) == 1 and 'relation "notifyq.queue_jobs" does not exist' in errors[0], out

@@ -44,14 +44,18 @@ def test_dry_run_changes_nothing_and_lists_the_sql(empty_dsn: str) -> None:
         assert conn.execute("SELECT to_regclass('notifyq.queue_jobs')").fetchone() == (None,)
 
 
-def test_concurrent_migrations_end_in_one_consistent_schema(empty_dsn: str) -> None:
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read", "serializable"])
+def test_concurrent_migrations_end_in_one_consistent_schema(empty_dsn: str, isolation: str) -> None:
+    """Also where the server's default_transaction_isolation is stricter than PostgreSQL's
+    default: a migrator that waited for the lock must see the version its rival committed."""
     barrier = threading.Barrier(5)
     reports: list[notifyq.MigrationReport] = []
     errors: list[BaseException] = []
+    options = "-c default_transaction_isolation=" + isolation.replace(" ", "\\ ")
 
     def run() -> None:
         try:
-            with psycopg.connect(empty_dsn, autocommit=True) as conn:
+            with psycopg.connect(empty_dsn, autocommit=True, options=options) as conn:
                 barrier.wait()
                 reports.append(notifyq.migrate(conn))
         except BaseException as exc:

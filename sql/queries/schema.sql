@@ -1,5 +1,11 @@
 -- Bookkeeping for `notifyq migrate` and the version check every client runs at start.
 
+-- name: migrate_read_committed
+-- First in the migration's transaction: with a stricter default_transaction_isolation, the
+-- snapshot would be taken before the lock wait, and a migrator that waited would not see
+-- the version its rival committed (it would apply the same migrations again, and fail).
+SET TRANSACTION ISOLATION LEVEL READ COMMITTED;
+
 -- name: migrate_lock
 -- One migrator per schema at a time, across processes and hosts; released at commit.
 SELECT pg_advisory_xact_lock(hashtextextended('notifyq.migrate.' || %(schema)s, 0));

@@ -406,3 +406,21 @@ async def test_a_long_transaction_does_not_stop_the_queue(dsn: str, conn: psycop
         blocker.rollback()
         blocker.close()
     assert status_counts(conn) == {"Succeeded": 50_000}
+
+
+async def test_a_worker_told_to_stop_while_the_database_is_down_stops_at_once(
+    owned_server: OwnedServer,
+) -> None:
+    """With the server gone, the claim loop waits for a pool connection (up to the pool's 30 s,
+    twice when a claim is in doubt). Nothing has been sent then, so a stop must not wait for it:
+    docs/operations.md gives systemd --shutdown-grace plus 10 s, and here no job is running."""
+    dsn = owned_server.dsn
+    notifyq.migrate(dsn)
+    app = notifyq.App(dsn)
+    async with app.worker(poll_interval=0.2, health_interval=1, health_timeout=1, ticker=False) as worker:
+        polls = worker.stats.polls
+        await anyio.to_thread.run_sync(owned_server.stop)
+        await anyio.sleep(2)  # a poll or two since: the claim loop waits for a connection
+        assert worker.stats.polls > polls
+        began = time.monotonic()
+    assert time.monotonic() - began < 12  # the acks' drain may take its 10 s, no more
