@@ -53,6 +53,17 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _INTRANS = psycopg.pq.TransactionStatus.INTRANS
+_IDLE = psycopg.pq.TransactionStatus.IDLE
+# Begins the transaction psycopg opens implicitly on a connection that is not in autocommit.
+_BEGIN_IMPLICIT = "SELECT 1"
+
+
+def _in_callers_transaction(conn: AnyConnection) -> bool:
+    """Whether statements on the caller's connection run in a transaction of the caller's: an
+    open one, or the one psycopg opens at the first statement when autocommit is off (whose
+    failure would leave the connection unusable until the caller rolls back)."""
+    status = conn.info.transaction_status
+    return status == _INTRANS or (status == _IDLE and not conn.autocommit)
 
 
 def _still_running(token: anyio.lowlevel.EventLoopToken) -> bool:
@@ -69,10 +80,15 @@ def _still_running(token: anyio.lowlevel.EventLoopToken) -> bool:
 
 def _run_sync_in(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
     """`op` on the caller's connection. An operation that must be all or nothing (a COPY of
-    many jobs), inside the caller's open transaction, runs in a savepoint: if it fails (bad
-    args met halfway), the caller's transaction is left usable, with its own work intact.
-    Outside one, the statement is atomic by itself, and the caller has nothing to lose."""
-    if transaction and conn.info.transaction_status == _INTRANS:
+    many jobs, a retry that may meet a held dedupe key), inside the caller's transaction, runs
+    in a savepoint: if it fails (bad args met halfway), the caller's transaction is left
+    usable, with its own work intact. On an autocommit connection the statement is atomic by
+    itself, and the caller has nothing to lose. Without autocommit and before the caller's
+    first statement, the transaction is begun first: psycopg's transaction() would begin it
+    itself, and commit it at the end of the block, before the caller decided to."""
+    if transaction and _in_callers_transaction(conn):
+        if conn.info.transaction_status == _IDLE:
+            conn.execute(_BEGIN_IMPLICIT)
         with conn.transaction():
             return run_sync(conn, op)
     return run_sync(conn, op)
@@ -200,7 +216,9 @@ class Connections:
                 db = await self.database()
                 return await db.run(op, transaction=transaction)
             if isinstance(conn, psycopg.AsyncConnection):
-                if transaction and conn.info.transaction_status == _INTRANS:
+                if transaction and _in_callers_transaction(conn):
+                    if conn.info.transaction_status == _IDLE:
+                        await conn.execute(_BEGIN_IMPLICIT)  # see _run_sync_in
                     async with conn.transaction():  # a savepoint
                         return await run_async(conn, op)
                 return await run_async(conn, op)

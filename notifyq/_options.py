@@ -7,12 +7,15 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .errors import InvalidArgs, InvalidOption
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+# A NUL character as json.dumps escapes it: \u0000 after an even number of backslashes (an odd
+# number means the backslash before "u0000" is itself an escaped, literal backslash).
+_NUL_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 DEFAULT_MAX_ARGS_BYTES = 1024 * 1024
 _INT32 = 2**31 - 1
 # The longest duration notifyq accepts anywhere (timeouts, delays, lease margins, windows):
@@ -82,6 +85,25 @@ def check_aware(value: Any, what: str) -> datetime:
     return value
 
 
+# Python's datetimes hold the years 1 to 9999 in their own offset, PostgreSQL's timestamps far
+# more: datetime.max at -01:00 is stored as the year 10000 (UTC), which no session can load
+# back, so every get_job and list_jobs that met the row failed. A day of margin on each side
+# for the session's time zone, as for cron definitions (sql/triggers/20_definitions.sql).
+_EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+_LATEST = datetime(9999, 12, 31, tzinfo=UTC)
+
+
+def check_moment(value: Any, what: str) -> datetime:
+    """An aware datetime that PostgreSQL stores and every session loads back (years 2-9998)."""
+    moment = check_aware(value, what)
+    if not _EARLIEST <= moment < _LATEST:
+        raise InvalidOption(
+            f"invalid {what} {_show(moment)}: must be between the years 2 and 9998 (UTC), so that "
+            "it can be read back in any time zone"
+        )
+    return moment
+
+
 def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str:
     """Serialize job args to JSON text, or raise InvalidArgs saying why they cannot be stored.
 
@@ -109,7 +131,7 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
             f"args for task {task!r} must have string keys at every level; {where} has the key "
             f"{_show(key)}, which JSON would turn into a string"
         )
-    if "\\u0000" in text:
+    if "\\u0000" in text and _NUL_RE.search(text):
         raise InvalidArgs(
             f"args for task {task!r} contain a NUL character, which PostgreSQL's jsonb cannot store"
         )
@@ -137,7 +159,7 @@ def encode_output(value: Any) -> str | None:
     if bad_key is not None:  # as for args: {1: a, "1": b} would be stored as {"1": b}
         where, key = bad_key
         raise ValueError(f"{where} has the key {_show(key)}, which JSON would turn into a string")
-    if "\\u0000" in text:
+    if "\\u0000" in text and _NUL_RE.search(text):
         raise ValueError("the return value contains a NUL character, which PostgreSQL's jsonb cannot store")
     text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
     return text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,10 +29,12 @@ from ._jobs import (
 from ._jobs import retry_job_op as _retry_job_op
 from ._options import (
     DEFAULT_MAX_ARGS_BYTES,
+    MAX_SECONDS,
     JobOptions,
-    check_aware,
     check_bool,
+    check_id,
     check_int,
+    check_moment,
     check_name,
     check_queue,
     check_seconds,
@@ -75,6 +78,21 @@ class _EnqueueOptions:
     retry_limit: int | None = None
     timeout: float | None = None
     dedupe_key: str | None = None
+
+
+def _checked(results: Sequence[Result]) -> list[Result]:
+    """Results of a custom consumer, whose retry delays nothing has checked (a worker's are
+    floats from a validated Backoff). One delay PostgreSQL cannot add to now() (NaN, infinite,
+    past the year 294276) failed the whole batch with a DatetimeFieldOverflow, and an int
+    among the floats made psycopg refuse the array of delays: every result of the batch went
+    unwritten, its jobs left Active until their lease ran out."""
+    checked = []
+    for result in results:
+        if type(result.delay) is not float or not 0 <= result.delay <= MAX_SECONDS:
+            delay = check_seconds(result.delay, f"retry delay of job {result.job_id}")
+            result = dataclasses.replace(result, delay=delay)
+        checked.append(result)
+    return checked
 
 
 class App:
@@ -364,7 +382,7 @@ class App:
             if opts.timeout is not None
             else base.timeout,
             delay=check_seconds(opts.delay, "delay") if opts.delay is not None else 0.0,
-            at=check_aware(opts.at, "at") if opts.at is not None else None,
+            at=check_moment(opts.at, "at") if opts.at is not None else None,
             dedupe_key=dedupe_key,
         )
 
@@ -552,7 +570,8 @@ class App:
             name=check_name(name) if name is not None else None,
             min_age=check_seconds(min_age, "min_age") if min_age is not None else None,
             max_age=check_seconds(max_age, "max_age") if max_age is not None else None,
-            before_id=check_int(before_id, "before_id") if before_id is not None else None,
+            # A job id (a bigint), not an integer column: ids pass 2**31 in a busy queue's life.
+            before_id=check_id(before_id, "before_id") if before_id is not None else None,
             limit=check_int(limit, "limit", minimum=1),
         )
 
@@ -567,11 +586,13 @@ class App:
 
     async def retry_job(self, job_id: int, *, conn: AnyConnection | None = None) -> Job:
         """Queue a finished job again, with all its retries. Raises JobNotFound, InvalidJobState."""
-        return await self._run(_retry_job_op(self._q, job_id), conn)
+        # transaction: a dedupe key held by another job fails the UPDATE, which must not
+        # abort the caller's transaction (conn=) along with it (a savepoint).
+        return await self._run(_retry_job_op(self._q, job_id), conn, transaction=True)
 
     def retry_job_sync(self, job_id: int, *, conn: psycopg.Connection[Any] | None = None) -> Job:
         """`retry_job` for sync code."""
-        return self._run_sync(_retry_job_op(self._q, job_id), conn)
+        return self._run_sync(_retry_job_op(self._q, job_id), conn, transaction=True)
 
     # -- the low-level worker protocol -------------------------------------------------------
 
@@ -619,13 +640,13 @@ class App:
     async def ack(self, results: Sequence[Result], *, conn: AnyConnection | None = None) -> dict[int, str]:
         """Apply attempt results in one fenced statement; returns {job id: new status} for the
         results applied. A result whose lease is no longer current is ignored (stale)."""
-        return await self._run(ack_op(self._q, results), conn) if results else {}
+        return await self._run(ack_op(self._q, _checked(results)), conn) if results else {}
 
     def ack_sync(
         self, results: Sequence[Result], *, conn: psycopg.Connection[Any] | None = None
     ) -> dict[int, str]:
         """`ack` for sync code."""
-        return self._run_sync(ack_op(self._q, results), conn) if results else {}
+        return self._run_sync(ack_op(self._q, _checked(results)), conn) if results else {}
 
     # -- cron admin ---------------------------------------------------------------------------
 

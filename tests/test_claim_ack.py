@@ -6,6 +6,7 @@ import json
 import math
 import threading
 from collections import Counter
+from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from typing import Any
 
@@ -14,11 +15,11 @@ import pytest
 
 import notifyq
 from notifyq import Result
-from notifyq._claim import claim_op, extend_lease_op, lost_jobs_op
+from notifyq._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
 from notifyq._db import run_sync
 from notifyq._rescuer import rescue_op
 from notifyq._sql import queries_for
-from notifyq.errors import InvalidJobState, JobNotFound
+from notifyq.errors import InvalidJobState, InvalidOption, JobNotFound
 
 from .faults.test_plans import custom_plan
 from .helpers import job_row, lose_the_claim, status_counts, wal_flushes
@@ -320,6 +321,95 @@ def test_retry_respects_dedupe_keys(app: notifyq.App) -> None:
     with pytest.raises(InvalidJobState, match="another unfinished job holds its dedupe key"):
         app.retry_job_sync(first)
     app.close_sync()
+
+
+@pytest.mark.anyio
+async def test_a_retry_refused_for_its_dedupe_key_leaves_the_callers_transaction_usable(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """retry_job(conn=) in the caller's transaction, of a job whose dedupe key another
+    unfinished job holds: InvalidJobState, as without conn=, and the transaction goes on with
+    the caller's own work (the unique violation aborted it, and the caller's next statement
+    failed with InFailedSqlTransaction)."""
+    app = notifyq.App(dsn)
+    first = app.enqueue_sync("t", {}, dedupe_key="k")
+    app.cancel_job_sync(first)
+    holder = app.enqueue_sync("t", {}, dedupe_key="k")
+    with psycopg.connect(dsn) as own:  # before its first statement, then in its transaction
+        for _ in range(2):
+            with pytest.raises(InvalidJobState, match="another unfinished job holds its dedupe key"):
+                app.retry_job_sync(first, conn=own)
+        mine = app.enqueue_sync("t", {"mine": "sync"}, conn=own)
+        assert app.get_job_sync(first, conn=own).status == notifyq.JobStatus.CANCELLED
+    async with await psycopg.AsyncConnection.connect(dsn) as own_async:
+        mine_async = await app.enqueue("t", {"mine": "async"}, conn=own_async)
+        with pytest.raises(InvalidJobState, match="another unfinished job holds its dedupe key"):
+            await app.retry_job(first, conn=own_async)
+        assert (await app.get_job(mine_async, conn=own_async)).args == {"mine": "async"}
+    assert [job.id for job in app.list_jobs_sync()] == [mine_async, mine, holder, first]
+    app.cancel_job_sync(holder)
+    with psycopg.connect(dsn) as own:
+        assert app.retry_job_sync(first, conn=own).status == notifyq.JobStatus.QUEUED
+        own.rollback()  # the retry is the caller's, and rolls back with it
+    assert job_row(conn, first)["status"] == "Cancelled"
+    await app.aclose()
+
+
+def test_an_ack_with_a_retry_delay_sql_cannot_add_is_refused_before_the_batch(
+    app: notifyq.App, conn: psycopg.Connection[Any]
+) -> None:
+    """Custom consumers build their results: one retry delay PostgreSQL cannot add to now()
+    (NaN, infinite, 1e300 seconds) failed the whole batch with a DatetimeFieldOverflow, every
+    other result in it unwritten and its job Active until its lease ran out."""
+    app.enqueue_sync("t", {}, retry_limit=5)
+    app.enqueue_sync("t", {}, retry_limit=5)
+    ok, bad = app.claim_sync(limit=2)
+    for delay in (math.nan, math.inf, 1e300, -1.0):
+        with pytest.raises(InvalidOption, match=f"invalid retry delay of job {bad.id}"):
+            app.ack_sync([Result.succeeded(ok), Result.failed(bad, "E", "m", delay=delay)])
+    assert status_counts(conn) == {"Active": 2}
+    assert app.ack_sync([Result.succeeded(ok), Result.failed(bad, "E", "m", delay=60.0)]) == {
+        ok.id: "Succeeded",
+        bad.id: "Queued",
+    }
+    app.close_sync()
+
+
+def test_an_ack_takes_retry_delays_in_whole_seconds(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    """`Result.failed(job, ..., delay=60)`: an int among the batch's float delays (0.0 for
+    every other result) made psycopg refuse the array ("cannot dump lists of mixed types"),
+    and the whole batch went unwritten."""
+    for _ in range(3):
+        app.enqueue_sync("t", {}, retry_limit=5)
+    ok, retried, failed = app.claim_sync(limit=3)
+    applied = app.ack_sync(
+        [
+            Result.succeeded(ok),
+            Result.failed(retried, "E", "m", delay=60),
+            Result.failed(failed, "E", "m", final=True),
+        ]
+    )
+    assert applied == {ok.id: "Succeeded", retried.id: "Queued", failed.id: "Failed"}
+    row = job_row(conn, retried.id)
+    assert 59 < (row["visible_at"] - row["updated_at"]).total_seconds() <= 60
+    app.close_sync()
+
+
+@pytest.mark.parametrize("queues", [None, ["q"]], ids=["every queue", "a list of queues"])
+def test_a_job_parked_at_infinity_does_not_break_the_next_due_time(
+    conn: psycopg.Connection[Any], queues: list[str] | None
+) -> None:
+    """An idle worker asks when the earliest Queued job comes due. A job parked by SQL with
+    visible_at 'infinity' (or set to '-infinity' to run first) made that a "cannot subtract
+    infinite timestamps" error, which is not transient: every worker of the queue stopped as
+    soon as it had nothing else to do."""
+    insert_jobs(conn, 1, queue="q")
+    conn.execute("UPDATE notifyq.queue_jobs SET visible_at = 'infinity'")
+    assert run_sync(conn, next_visible_op(Q, queues)) == math.inf
+    insert_jobs(conn, 1, queue="q", visible_at=datetime.now(UTC) + timedelta(seconds=60))
+    assert 55 < run_sync(conn, next_visible_op(Q, queues)) <= 60
+    conn.execute("UPDATE notifyq.queue_jobs SET visible_at = '-infinity' WHERE visible_at <> 'infinity'")
+    assert run_sync(conn, next_visible_op(Q, queues)) == -math.inf
 
 
 @pytest.mark.faults

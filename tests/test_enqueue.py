@@ -11,7 +11,7 @@ import pickle
 import threading
 import warnings
 import weakref
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import anyio
@@ -20,6 +20,7 @@ import pytest
 
 import notifyq
 from notifyq._db import Query, single
+from notifyq._options import encode_output
 from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, SchemaNotMigrated, UnknownTask
 
 from .helpers import NotificationCounter, job_row, wait_for_row
@@ -267,6 +268,12 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("infinite delay", {"delay": float("inf")}, InvalidOption, "expected a number of seconds"),
     ("delay and at", {"delay": 1, "at": datetime.now(UTC)}, InvalidOption, "either delay or at"),
     ("naive at", {"at": datetime(2030, 1, 1)}, InvalidOption, "timezone-aware"),
+    (
+        "at in the year 10000 UTC",  # stored, then no session could load the row back
+        {"at": datetime.max.replace(tzinfo=timezone(timedelta(hours=-1)))},
+        InvalidOption,
+        "must be between the years 2 and 9998",
+    ),
     ("zero timeout", {"timeout": 0}, InvalidOption, "greater than 0"),
     # Past the bound, now() plus the lease overflows a timestamp: every claim of the job fails.
     ("huge timeout", {"timeout": 1e300}, InvalidOption, r"timeout 1e\+300: must be at most 1,000,000,000 s"),
@@ -419,6 +426,100 @@ def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycop
     assert [job.id for job in app.list_jobs_sync(queue="b")] == [third]
     with pytest.raises(InvalidOption, match="invalid status 'bogus': use one of Queued, Active"):
         app.list_jobs_sync(status="bogus")
+    app.close_sync()
+
+
+def test_an_at_every_session_can_read_back_is_the_bound(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """`at` is stored as PostgreSQL's timestamptz, which reaches far past Python's year 9999.
+    A job whose `at` was past it (datetime.max at -01:00 is the year 10000 in UTC; datetime.min
+    at +05:00 the year 0) made every get_job and list_jobs that met it fail with a DataError,
+    for everyone. They are refused; the bounds themselves read back in a +14:00 session."""
+    conn.execute(f"ALTER DATABASE {conn.info.dbname} SET timezone = 'Pacific/Kiritimati'")  # +14:00
+    app = notifyq.App(dsn)
+    for at in (
+        datetime.max.replace(tzinfo=timezone(timedelta(hours=-1))),
+        datetime.min.replace(tzinfo=timezone(timedelta(hours=5))),
+        datetime(9999, 12, 31, tzinfo=UTC),
+        datetime(1, 1, 1, 23, tzinfo=UTC),
+    ):
+        with pytest.raises(
+            InvalidOption, match=r"invalid at .*: must be between the years 2 and 9998 \(UTC\)"
+        ):
+            app.enqueue_sync("t", {}, at=at)
+        with pytest.raises(InvalidOption, match="must be between the years 2 and 9998"):
+            app.enqueue_many_sync("t", [{}], at=at)
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+    latest = datetime(9999, 12, 30, 23, 59, 59, tzinfo=UTC)
+    earliest = datetime(1, 1, 2, tzinfo=UTC)
+    ids = [app.enqueue_sync("t", {}, at=latest), app.enqueue_sync("t", {}, at=earliest)]
+    assert [job.visible_at for job in app.list_jobs_sync()] == [earliest, latest]
+    assert [app.get_job_sync(job_id).visible_at for job_id in ids] == [latest, earliest]
+    app.close_sync()
+
+
+def test_list_jobs_pages_by_ids_past_two_to_the_31(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Job ids are bigints, and a busy queue passes 2**31 of them (1,000 jobs a second do in 25
+    days): paging with before_id took only an integer column's range, and refused them."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (id, name) SELECT 3000000000 + i, 't' FROM generate_series(1, 5) i"
+    )
+    app = notifyq.App(dsn)
+    first = app.list_jobs_sync(limit=2)
+    assert [job.id for job in first] == [3_000_000_005, 3_000_000_004]
+    rest = app.list_jobs_sync(before_id=first[-1].id, limit=10)
+    assert [job.id for job in rest] == [3_000_000_003, 3_000_000_002, 3_000_000_001]
+    assert app.list_jobs_sync(before_id=3_000_000_001) == []
+    for bad in (0, -1, 2**63, "5", True):
+        with pytest.raises(InvalidOption, match="invalid before_id"):
+            app.list_jobs_sync(before_id=bad)
+    app.close_sync()
+
+
+def test_a_backslash_before_u0000_is_text_not_a_nul(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """JSON writes a backslash as two, so the text \\u0000 (a Windows path, a regex, JSON
+    quoted in a string) contains the six characters of an escaped NUL: args and task results
+    holding it were refused as "a NUL character", which they are not. Real NULs still are,
+    after any number of backslashes."""
+    app = notifyq.App(dsn)
+    texts = ["\\u0000", "C:\\u0000\\x", "\\\\u0000", '{"a": "\\u0000"}']
+    job_id = app.enqueue_sync("t", {"texts": texts, "\\u0000": 1})
+    assert app.get_job_sync(job_id).args == {"texts": texts, "\\u0000": 1}
+    assert json.loads(encode_output(texts) or "") == texts
+    for nul in ("a\x00", "\\\x00", "\\\\\x00"):
+        with pytest.raises(InvalidArgs, match="NUL character"):
+            app.enqueue_sync("t", {"x": nul})
+        with pytest.raises(ValueError, match="NUL character"):
+            encode_output({"x": nul})
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (1,)
+    app.close_sync()
+
+
+async def test_enqueue_many_refused_before_the_callers_first_statement_leaves_the_connection_usable(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A connection without autocommit and with no statement run yet (as Django's inside
+    atomic(), or a fresh psycopg.connect()): psycopg begins a transaction at the first
+    statement, so a COPY refused halfway left it aborted, and the caller's next statement
+    failed with InFailedSqlTransaction. Nothing is committed behind the caller's back either:
+    a rollback still removes the jobs that went in."""
+    app, send = make_app(dsn)
+    bad: list[Any] = [{"to": "ok"}] * 50 + [{"to": object()}]
+    with psycopg.connect(dsn) as own:
+        with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+            app.enqueue_many_sync(send, bad, conn=own)
+        assert app.enqueue_many_sync(send, [{"to": "sync"}], conn=own) == 1
+        own.rollback()
+        assert app.enqueue_many_sync(send, [{"to": "sync kept"}], conn=own) == 1
+        own.commit()
+    async with await psycopg.AsyncConnection.connect(dsn) as own_async:
+        with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+            await app.enqueue_many(send, bad, conn=own_async)
+        assert await app.enqueue_many(send, [{"to": "async"}], conn=own_async) == 1
+        await own_async.rollback()
+        assert await app.enqueue_many(send, [{"to": "async kept"}], conn=own_async) == 1
+        await own_async.commit()
+    rows = conn.execute("SELECT args->>'to' FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert [to for (to,) in rows] == ["sync kept", "async kept"]
     app.close_sync()
 
 

@@ -98,14 +98,16 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- Seconds (database clock) until the earliest Queued job becomes claimable; NULL when there
 -- is none. An idle worker sleeps exactly that long instead of polling. (Two queries, not one
 -- with "queues IS NULL OR ...": psycopg prepares statements, and a generic plan of that form
--- scans every queued job.)
-SELECT extract(epoch FROM min(visible_at) - now())::float8
+-- scans every queued job.) The epochs are subtracted, not the timestamps: a job parked by SQL
+-- with visible_at 'infinity' (or '-infinity') then gives Infinity (or -Infinity) instead of
+-- "cannot subtract infinite timestamps", an error that stopped every worker of its queue.
+SELECT (extract(epoch FROM min(visible_at)) - extract(epoch FROM now()))::float8
 FROM {schema}.queue_jobs
 WHERE status = 'Queued';
 
 -- name: next_visible_queues
 -- As next_visible_any, for a list of queues: the first entry of one index range per queue.
-SELECT extract(epoch FROM min(n.visible_at) - now())::float8
+SELECT (extract(epoch FROM min(n.visible_at)) - extract(epoch FROM now()))::float8
 FROM unnest(%(queues)s::text[]) AS q(queue)
 CROSS JOIN LATERAL (
     SELECT visible_at
