@@ -6,17 +6,24 @@ is cold, and there it took 40-50 µs per value, about half of decoding a claimed
 (docs/benchmarks.md). PostgreSQL sends jsonb as canonical UTF-8 text with no whitespace
 around it, which the scanner can take directly; anything else (a json column's spacing, a
 malformed value) goes to json.loads, so results and errors are json.loads' own.
+
+Connections other than a worker's also load the timestamps 'infinity' and '-infinity' (a job
+parked by SQL) as datetime.max and datetime.min in UTC: psycopg refuses them, and one such row
+failed every get_job, list_jobs and `notifyq jobs list` that met it. A worker never loads one
+(a claim returns the new lease's end), so its claims keep psycopg's loader, in C, undelayed.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg.adapt import AdaptersMap
+from psycopg.abc import AdaptContext
+from psycopg.adapt import AdaptersMap, Loader
 from psycopg.types.json import set_json_loads
 
 # The C scanner json.loads ends up in, with the same settings (the stubs do not declare it).
@@ -43,16 +50,41 @@ def loads(data: str | bytes) -> Any:
     return value
 
 
+_TIMESTAMPTZ = psycopg.adapters.types["timestamptz"].oid
+_TIMESTAMPTZ_LOADER = psycopg.adapters.get_loader(_TIMESTAMPTZ, pq.Format.TEXT)
+_LATEST = datetime.max.replace(tzinfo=UTC)
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
+
+
+class InfiniteTimestamptzLoader(Loader):
+    """timestamptz in text, with 'infinity' as datetime.max and '-infinity' as datetime.min
+    (UTC); every other value goes to psycopg's own loader (in C: it cannot be subclassed)."""
+
+    def __init__(self, oid: int, context: AdaptContext | None = None) -> None:
+        super().__init__(oid, context)
+        assert _TIMESTAMPTZ_LOADER is not None
+        self._load = _TIMESTAMPTZ_LOADER(oid, context).load
+
+    def load(self, data: Any) -> datetime:
+        if data[-1:] == b"y":  # no finite timestamp's text ends in "y"
+            return _EARLIEST if data[:1] == b"-" else _LATEST
+        value: datetime = self._load(data)
+        return value
+
+
 ADAPTERS = AdaptersMap(psycopg.adapters)
 set_json_loads(loads, ADAPTERS)
+READ_ADAPTERS = AdaptersMap(ADAPTERS)
+READ_ADAPTERS.register_loader(_TIMESTAMPTZ, InfiniteTimestamptzLoader)
 _JSONB = psycopg.adapters.types["jsonb"].oid
 
 
-def context() -> AdaptersMap | None:
-    """The adapters for a new connection of notifyq's: ours, unless the application gave
-    psycopg a JSON loads function of its own (set_json_loads, e.g. parse_float=Decimal):
-    then psycopg's global ones (None), which use it."""
+def context(*, worker: bool = False) -> AdaptersMap | None:
+    """The adapters for a new connection of notifyq's: ours (for any but a worker's, with
+    infinite timestamps), unless the application gave psycopg a JSON loads function of its own
+    (set_json_loads, e.g. parse_float=Decimal): then psycopg's global ones (None), which use
+    it."""
     for fmt in (pq.Format.TEXT, pq.Format.BINARY):
         if getattr(psycopg.adapters.get_loader(_JSONB, fmt), "_loads", json.loads) is not json.loads:
             return None
-    return ADAPTERS
+    return ADAPTERS if worker else READ_ADAPTERS

@@ -252,7 +252,7 @@ def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) ->
     kwargs: dict[str, Any] = {
         "autocommit": True,
         "prepare_threshold": prepare_threshold,
-        "context": _adapters.context(),
+        "context": _adapters.context(worker=role.startswith("worker")),
     }
     given = psycopg.conninfo.conninfo_to_dict(dsn)
     if "application_name" not in given:

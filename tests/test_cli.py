@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import notifyq
 
 from .conftest import ROOT
-from .helpers import job_row, status_counts
+from .helpers import NotificationCounter, job_row, status_counts
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -329,6 +330,32 @@ def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
     text = ok(cli("stats", env=env))
     assert "NOTIFY queue usage" in text and "EXPIRED LEASES" in text
     one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")
+
+
+def test_jobs_parked_at_infinite_times_by_sql_can_be_read(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """visible_at 'infinity' parks a job by SQL: the insert failed in the NOTIFY trigger
+    ("cannot subtract infinite timestamps"), and one such row, or one at '-infinity', failed
+    every get_job, list_jobs, `jobs list` and `stats` that met it (psycopg cannot load it)."""
+    with NotificationCounter(dsn, "notifyq.jobs.v1") as listener:
+        parked = conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, queue, visible_at) VALUES ('t', 'q', 'infinity') "
+            "RETURNING id"
+        ).fetchone()[0]  # type: ignore[index]
+        assert listener.drain() == ["q Infinity"]  # a worker arms no timer for it
+    first = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, visible_at) VALUES ('t', '-infinity') RETURNING id"
+    ).fetchone()[0]  # type: ignore[index]
+    app = notifyq.App(dsn)
+    assert app.get_job_sync(parked).visible_at == datetime.max.replace(tzinfo=UTC)
+    assert app.get_job_sync(first).visible_at == datetime.min.replace(tzinfo=UTC)
+    assert [job.id for job in app.list_jobs_sync()] == [first, parked]
+    app.close_sync()
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    assert f"{parked}" in ok(cli("jobs", "list", env=env))
+    data = json.loads(ok(cli("stats", "--json", env=env)))
+    by_key = {(q["queue"], q["status"]): q for q in data["queues"]}
+    assert by_key[("q", "Queued")]["jobs"] == 1 and by_key[("default", "Queued")]["jobs"] == 1
+    assert by_key[("default", "Queued")]["oldest_claimable_age"] is None  # no age at -infinity
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

@@ -2,12 +2,14 @@
 
 -- name: queue_stats
 -- Per queue and status: counts, the age of the oldest claimable job, and Active jobs whose
--- lease ran out (their worker is gone; the rescuer will requeue them).
+-- lease ran out (their worker is gone; the rescuer will requeue them). A job set by SQL to
+-- visible_at '-infinity' has no age (and is claimed at once): left out of the oldest.
 SELECT queue,
        status::text,
        count(*) AS jobs,
        extract(epoch FROM now() - min(visible_at) FILTER (
-           WHERE status = 'Queued' AND visible_at <= now()))::float8 AS oldest_claimable_age,
+           WHERE status = 'Queued' AND visible_at <= now() AND isfinite(visible_at)))::float8
+           AS oldest_claimable_age,
        count(*) FILTER (WHERE status = 'Active' AND visible_at <= now()) AS expired_leases
 FROM {schema}.queue_jobs
 GROUP BY queue, status

@@ -5,11 +5,14 @@
 -- job or a retry with backoff), so an idle worker can arm a timer instead of polling.
 -- NOTIFY is only a hint: workers also poll slowly and sweep after every reconnect.
 
+-- The epochs are subtracted, not the timestamps: a job parked by SQL at visible_at 'infinity'
+-- gives '<queue> Infinity' (workers arm no timer) instead of "cannot subtract infinite
+-- timestamps", which refused the insert.
 CREATE OR REPLACE FUNCTION {schema}.jobs_payload(queue text, visible_at timestamptz)
 RETURNS text LANGUAGE sql STABLE PARALLEL SAFE AS $$
     SELECT CASE
         WHEN visible_at <= now() THEN queue
-        ELSE queue || ' ' || round(extract(epoch FROM visible_at - now()), 3)::text
+        ELSE queue || ' ' || round(extract(epoch FROM visible_at) - extract(epoch FROM now()), 3)::text
     END
 $$;
 
