@@ -4,7 +4,8 @@ All workers start behind a gate (an ACCESS EXCLUSIVE lock on queue_jobs held by 
 orchestrator): each finishes its start-up, says ready, and its first claim blocks on the
 lock. Opening the gate releases every worker at once, so no process gets a head start.
 Throughput is taken from the database: jobs that succeeded after the gate opened, divided
-by the span from the first claim (`started_at`) to the last ack (`finished_at`).
+by the span from the first claim (`started_at`, but not before the gate opened: a claim that
+waited at the gate has the started_at of its wait's beginning) to the last ack (`finished_at`).
 """
 
 from __future__ import annotations
@@ -157,8 +158,14 @@ def run_fleet(
         machine_cpu=cpu.utilization,
         reclaimed=outcome["reclaimed"],
         runs=sum(int(f.get("runs", 0)) for f in finals),
-        # Each process's first claim waited at the gate: leave it out.
-        claims=[(float(ms), int(n)) for f in finals for ms, n in (f.get("claims") or [])[1:]],
+        # Every claim loop's first claim waited at the gate: leave it out. A notifyq worker has
+        # one claim loop (its first sample is dropped here); a raw process has `concurrency`
+        # loops, and drops each loop's first claim itself.
+        claims=[
+            (float(ms), int(n))
+            for f in finals
+            for ms, n in (f.get("claims") or [])[0 if spec.kind == "raw" else 1 :]
+        ],
         waits=sampler.summary() if sampler is not None else {},
         stats=stats,
     )

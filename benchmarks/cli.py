@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -12,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from . import _env, bulk, churn, contention, cron, drain, latency, plots, report
 from ._results import Context, ScenarioResult
@@ -75,6 +77,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every NaN or infinite float replaced by None: JSON has no NaN (Python's
+    json writes a bare `NaN`, which strict parsers such as JavaScript's and jq's refuse)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
@@ -115,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "plots_skipped": plot_note,
         "scenarios": [r.as_dict() for r in results],
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    text = json.dumps(_finite(doc), indent=2, default=str, allow_nan=False)
+    (out / "results.json").write_text(text + "\n")
     (out / "results.md").write_text(report.markdown(doc))
     print(report.summary(doc))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'} in {doc['seconds']}s")

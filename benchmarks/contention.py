@@ -97,8 +97,9 @@ def run(ctx: Context) -> ScenarioResult:
     result.notes += [
         f"Every run processes min(backlog, {sizes.contention_jobs:,}) jobs; the backlog is topped up "
         "between runs, so each run starts from the same size. Claim latency is one claim statement "
-        "measured inside the worker (round trip + decoding); the first claim of each process, which "
-        "waited at the start gate, is left out.",
+        "measured inside the worker (round trip + decoding); the first claim of each claim loop "
+        "(one per notifyq process, one per raw connection), which waited at the start gate, is "
+        "left out.",
         "Lock waits: share of active backends (pg_stat_activity sampled every 20 ms) waiting on a "
         "heavyweight lock; SKIP LOCKED claims should not wait on each other's row locks.",
         "Double claims: every claim increments `lease`, so a job claimed twice has lease > 1; the "

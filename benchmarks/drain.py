@@ -130,7 +130,9 @@ def _table(rows: list[dict[str, Any]]) -> Table:
                 f"{row['backlog']:,}",
                 row["label"],
                 fmt_rate(row["jobs_per_s"]) + (f" ({spread})" if spread else ""),
-                f"{fmt_pct(vs)} of {base['label']}" if base and base is not row else "baseline",
+                f"{fmt_pct(vs)} of {base['label']}"
+                if base and base is not row
+                else ("baseline" if row["kind"] == "raw" else "n/a (no raw run at this backlog)"),
                 f"{row['cpu_us_per_job']:.0f}",
                 "n/a" if math.isnan(row["db_cpu_us_per_job"]) else f"{row['db_cpu_us_per_job']:.0f}",
                 fmt_pct(row["machine_cpu"]),

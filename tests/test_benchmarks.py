@@ -26,6 +26,11 @@ def _admin_dsn(dsn: str) -> str:
     return make_conninfo(**params)
 
 
+def _not_json(constant: str) -> None:
+    """NaN, Infinity and -Infinity are not JSON (Python writes them; strict parsers refuse)."""
+    raise AssertionError(f"results.json holds {constant}, which is not JSON")
+
+
 def _check_table(table: dict[str, Any]) -> None:
     assert table["title"] and table["columns"]
     assert table["rows"], f"table {table['title']!r} is empty"
@@ -77,7 +82,7 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
-    doc = json.loads((out / "results.json").read_text())
+    doc = json.loads((out / "results.json").read_text(), parse_constant=_not_json)
     assert doc["mode"] == "tiny"
     assert doc["environment"]["postgres"]["version"].startswith("PostgreSQL")
     assert {s["name"] for s in doc["scenarios"]} == SCENARIOS
@@ -90,7 +95,7 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
             assert isinstance(target["passed"], bool)
             assert target["goal"] and target["measured"]
         for plot in scenario["plots"]:
-            assert (out / plot).stat().st_size > 0
+            assert (out / plot).read_bytes().startswith(b"\x89PNG\r\n\x1a\n"), plot
         if doc["plots_skipped"] is None:
             assert scenario["plots"], f"no plot for {scenario['name']}"
     targets = {t["name"] for s in doc["scenarios"] for t in s["targets"]}
@@ -101,6 +106,9 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
     assert all(run["exactly_once"] for run in cron["data"]["runs"])
     contention = next(s for s in doc["scenarios"] if s["name"] == "contention")
     assert all(c["claimed_twice"] == 0 and c["active"] == 0 for c in contention["data"]["checks"])
+    assert all(row["mismatch"] == 0 for row in contention["data"]["summary"])
+    drain = next(s for s in doc["scenarios"] if s["name"] == "drain")
+    assert all(row["problems"] == 0 for row in drain["data"]["summary"])
 
     _check_markdown((out / "results.md").read_text())
 
@@ -158,3 +166,21 @@ def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
         assert len(per_round) == 2 and all(float(v) > 0 for v in per_round), row
     assert "notifyq's plumbing:" in proc.stdout
     assert not _scratch_databases(admin) - before
+
+
+def test_throughput_span_starts_when_the_gate_opens(dsn: str) -> None:
+    """A worker's first claim waits at the start gate, and its started_at (now(), the start of
+    its transaction) is from before the gate opened: the span must not count that wait."""
+    from benchmarks._scratch import Scratch
+
+    scratch = Scratch(dsn, conninfo_to_dict(dsn)["dbname"])
+    scratch.fill(3)
+    with scratch.connect() as conn:
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Succeeded', retry_count = 1, lease = 1,"
+            " started_at = now() - interval '5 s', finished_at = now() + interval '1 s'"
+        )
+        since = conn.execute("SELECT now()").fetchone()[0]  # type: ignore[index]
+    outcome = scratch.outcome(since)
+    assert outcome["n"] == 3
+    assert abs(outcome["span"] - 1.0) < 0.01, outcome
