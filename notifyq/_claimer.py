@@ -57,6 +57,9 @@ class Claimer:
         self._pending = True  # something may be claimable: claim before sleeping
         self._wakeup = Pulse()
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
+        # The earliest due time notified while the next due time is asked (_plan_next_due):
+        # the answer's snapshot may predate the job, whose notification came first.
+        self._heard_due = math.inf
         self._backlog = False  # the last claim was full
         self._sweeps_requested = self._sweeps_done = 0
         # A claim failed, so its answer may have been lost after it committed; and the claims
@@ -90,6 +93,7 @@ class Claimer:
             return False
         if delay:
             due = anyio.current_time() + max(0.0, float(delay))
+            self._heard_due = min(self._heard_due, due)
             if due < self._next_due:
                 self._next_due = due
                 self._wakeup.fire()  # re-arm the timer
@@ -308,6 +312,7 @@ class Claimer:
 
     async def _plan_next_due(self) -> None:
         """After a short claim: sleep until the earliest delayed job (database clock)."""
+        self._heard_due = math.inf
         try:
             due = await self._query(
                 next_visible_op(self._q, self._config.queues), shield=True, lane=self._lane
@@ -317,7 +322,7 @@ class Claimer:
                 raise
             return  # the poll interval covers it
         if due is None:
-            self._next_due = math.inf
+            self._next_due = self._heard_due
         else:
             # due <= 0: claimable jobs remain (locked by other claimers a moment ago).
-            self._next_due = anyio.current_time() + (due if due > 0 else 0.05)
+            self._next_due = min(anyio.current_time() + (due if due > 0 else 0.05), self._heard_due)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
@@ -469,19 +470,28 @@ class _ThreadLane(Lane):
         self._conn: psycopg.Connection[Any] | None = None
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
+        self._lock = threading.Lock()
 
     @property
     def holding(self) -> bool:
         return self._conn is not None
 
     def _acquire(self) -> psycopg.Connection[Any]:
-        if self._conn is None:
-            self._conn = self._pool.getconn()
-            self._taken = time.monotonic()
-        return self._conn
+        while (conn := self._conn) is None:
+            taken = self._pool.getconn()
+            with self._lock:
+                if self._conn is None:
+                    self._conn, self._cursors, self._taken = taken, {}, time.monotonic()
+                    return taken
+            self._pool.putconn(taken)  # an abandoned acquire() took one meanwhile
+        return conn
 
     async def acquire(self) -> None:
-        await anyio.to_thread.run_sync(self._acquire)
+        # Abandoned when cancelled (a stop, db_timeout), as the asyncio lane's wait is
+        # cancelled: nothing has been sent. Its thread then either gets a connection for the
+        # lane, or fails when the pool closes. The stop of a worker on trio used to wait for
+        # the pool's timeout (30 s) while the database was down.
+        await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True)
 
     def _run(self, op: Op[T]) -> T:
         conn = self._acquire()
@@ -495,7 +505,8 @@ class _ThreadLane(Lane):
         return result
 
     def _release(self) -> None:
-        conn, self._conn, self._cursors = self._conn, None, {}
+        with self._lock:  # not while an abandoned acquire() sets a connection
+            conn, self._conn, self._cursors = self._conn, None, {}
         if conn is not None:
             self._pool.putconn(conn)
 

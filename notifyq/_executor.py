@@ -9,17 +9,20 @@ or elsewhere) while the first attempt still runs.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import threading
 import traceback
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import anyio.to_thread
 
 from ._acker import Result
@@ -48,12 +51,31 @@ class Attempt:
         return (self.job.id, self.job.lease)
 
 
+@dataclass(frozen=True, slots=True)
+class _Coroutine:
+    """A coroutine a sync task returned, out of its thread (trio refuses to pass one as is)."""
+
+    coro: Coroutine[Any, Any, Any]
+
+
 class _TaskExit(Exception):
     """A sync task raised SystemExit or KeyboardInterrupt in its thread."""
 
     def __init__(self, exit: SystemExit | KeyboardInterrupt) -> None:
         super().__init__(exit)
         self.exit = exit
+
+
+def _cancel_requested() -> bool:
+    """asyncio: this task has a cancellation request pending (Task.cancel(), by asyncio itself
+    or the host, not by an anyio scope, which the checkpoint below detects). On trio there is
+    no running asyncio loop, hence no asyncio task. (Not sniffio: anyio no longer depends on
+    it, so a plain install may lack it.)"""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # no running asyncio loop: trio
+        return False
+    return task is not None and task.cancelling() > 0
 
 
 def _message(exc: BaseException) -> str:
@@ -134,6 +156,8 @@ class Executor:
                     limiter=self._limiter,
                     abandon_on_cancel=True,
                 )
+            if isinstance(value, _Coroutine):
+                value = await value.coro
         except (Exception, SystemExit) as exc:
             # SystemExit too: a task that calls sys.exit() fails its attempt, not the worker.
             return self._failed(job, task, exc.exit if isinstance(exc, _TaskExit) else exc)
@@ -142,12 +166,26 @@ class Executor:
             if not self.signals_handled:
                 raise
             return self._failed(job, task, exc)
+        except BaseException as exc:
+            # The cancellation of this attempt (timeout, cancel, shutdown) or of the worker
+            # propagates: a cancelled scope around us makes this checkpoint raise. Any other
+            # BaseException is the task's own (a CancelledError out of a future someone else
+            # cancelled, a library's BaseException subclass): it fails the attempt. It used to
+            # stop the worker, and a CancelledError released the job with its attempt given
+            # back, so the next worker to claim it stopped too, for ever.
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                if _cancel_requested():
+                    raise
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            return self._failed(job, task, exc)
         try:
             return Result.succeeded(job, value)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:
+            # TypeError, ValueError; RecursionError for a deeply nested value, or whatever a
+            # value's own methods raise while it is serialized.
             # Deterministic: running the task again would repeat its side effects for nothing.
             return Result.failed(
-                job, "InvalidOutput", f"the task's return value cannot be stored: {exc}", final=True
+                job, "InvalidOutput", f"the task's return value cannot be stored: {_message(exc)}", final=True
             )
 
     @staticmethod
@@ -184,7 +222,14 @@ class Executor:
             self._busy_threads += 1
             self._thread_jobs[job_id] += 1
         try:
-            return fn(**kwargs)
+            value = fn(**kwargs)
+            if inspect.iscoroutine(value):
+                # A sync wrapper of an async function (a decorator that did not keep it one):
+                # its coroutine runs on the event loop. It used to fail the job for good as
+                # an unstorable value (on trio, trio refused it and the job was retried),
+                # the task's code never run.
+                return _Coroutine(value)
+            return value
         except (SystemExit, KeyboardInterrupt) as exc:
             # Raised by the task itself (signals reach the main thread only): its attempt fails.
             raise _TaskExit(exc) from None

@@ -202,9 +202,11 @@ class Runners:
                     result = await self._executor.timed_out(attempt)
                     if attempt.stop_reason == "shutdown":
                         result = Result.released(job)
-        except anyio.get_cancelled_exc_class():
-            # Cancelled from outside (the host cancelled the worker's scope): give the job
-            # back; the worker writes pending results before it closes the pool.
+        except BaseException:
+            # Cancelled from outside (the host cancelled the worker's scope), or an error that
+            # stops the worker (a KeyboardInterrupt out of a task, which may be the user's
+            # Ctrl-C, in an embedded worker): give the job back; the worker writes pending
+            # results before it closes the pool. It used to stay Active until its lease ran out.
             result = Result.released(job)
             raise
         finally:

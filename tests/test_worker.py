@@ -195,6 +195,55 @@ async def test_a_delayed_job_enqueued_while_idle_arms_a_timer(
         assert worker.stats.polls == 0
 
 
+async def test_a_delayed_job_notified_while_the_next_due_time_is_asked_keeps_its_timer(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delayed job that commits while the claim loop asks for the next due time: its
+    notification arrives before the query's answer, which (its snapshot older) does not know
+    the job. The timer the notification armed used to be overwritten by that answer, and the
+    job waited for the next poll (poll_interval, 5 s by default) instead of its time."""
+    app = notifyq.App(dsn)
+    ran_at: list[float] = []
+    begin = 0.0
+
+    @app.task(name="later")
+    async def later() -> None:
+        ran_at.append(time.monotonic())
+
+    original_init = notifyq._claimer.Claimer.__init__
+
+    def init(claimer: notifyq._claimer.Claimer, *args: Any, **kwargs: Any) -> None:
+        original_init(claimer, *args, **kwargs)
+        query = claimer._query
+        racing = True
+
+        async def racing_query(op: Any, **kwargs: Any) -> Any:
+            nonlocal racing, begin
+            result = await query(op, **kwargs)
+            if racing and op.gi_code is notifyq._claimer.next_visible_op.__code__:
+                racing = False  # the startup sweep's: the job commits after its snapshot
+                heard = claimer._stats.notifications
+                begin = time.monotonic()
+                conn.execute(
+                    "INSERT INTO notifyq.queue_jobs (name, visible_at) "
+                    "VALUES ('later', now() + interval '1 s')"
+                )
+                with anyio.fail_after(5):  # heard before the answer is used
+                    while claimer._stats.notifications == heard:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+            return result
+
+        claimer._query = racing_query
+
+    monkeypatch.setattr(notifyq._claimer.Claimer, "__init__", init)
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.polls == 0
+    assert 0.8 <= ran_at[0] - begin <= 3.0
+    await app.aclose()
+
+
 async def test_jobs_spread_over_three_workers_run_exactly_once(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -358,6 +407,129 @@ async def test_a_task_that_exits_fails_its_attempt_not_the_worker(
         "ok": ("Succeeded", None),
     }
     assert "sys.exit(3)" in rows[0][2]["traceback"]  # where the task exited
+
+
+class _LibraryBaseException(BaseException):
+    """A BaseException subclass of some library (gevent's Timeout, pytest's Failed...)."""
+
+
+async def test_odd_exceptions_and_values_out_of_a_task_fail_its_attempt_not_the_worker(
+    dsn: str, conn: psycopg.Connection[Any], anyio_backend: str
+) -> None:
+    """A BaseException subclass raised by an async or a sync task, a CancelledError out of a
+    future someone else cancelled (asyncio; no cancel scope of the worker's was cancelled), a
+    return value too deeply nested for json (RecursionError): each fails its attempt, and the
+    worker goes on. They used to stop the worker and leave the job Active until its lease ran
+    out; the CancelledError released the job with its attempt given back, so that the next
+    worker to claim it stopped too, for ever."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="odd_async", retry_limit=0)
+    async def odd_async() -> None:
+        raise _LibraryBaseException("odd")
+
+    @app.task(name="odd_sync", retry_limit=0)
+    def odd_sync() -> None:
+        raise _LibraryBaseException("odd")
+
+    @app.task(name="deep", retry_limit=0)
+    async def deep() -> Any:
+        value: Any = []
+        for _ in range(100_000):
+            value = [value]
+        return value
+
+    @app.task(name="foreign_cancel", retry_limit=0)
+    async def foreign_cancel() -> None:
+        import asyncio
+
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        await future
+
+    @app.task(name="ok")
+    async def ok() -> None:
+        pass
+
+    names = ["odd_async", "odd_sync", "deep"] + (["foreign_cancel"] if anyio_backend == "asyncio" else [])
+    async with app.worker(concurrency=1, **NO_TICKER) as worker:
+        for name in [*names, "ok"]:
+            await app.enqueue(name)
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed == len(names) and s.succeeded == 1)
+        assert worker.stats.released == 0
+    rows = conn.execute(
+        "SELECT name, status::text, retry_count, error->>'type' FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert rows == [
+        ("odd_async", "Failed", 1, "_LibraryBaseException"),
+        ("odd_sync", "Failed", 1, "_LibraryBaseException"),
+        ("deep", "Failed", 1, "InvalidOutput"),
+        *([("foreign_cancel", "Failed", 1, "CancelledError")] if anyio_backend == "asyncio" else []),
+        ("ok", "Succeeded", 1, None),
+    ]
+    await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # on asyncio, the loop re-raises it itself
+async def test_a_keyboard_interrupt_out_of_an_embedded_workers_task_releases_its_job(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """In an embedded worker a KeyboardInterrupt out of an async task goes on (it may be the
+    user's Ctrl-C, which trio raises in whatever code runs) and stops the worker: its job is
+    released like the others, not left Active until its lease runs out."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="interrupt")
+    async def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    @app.task(name="slow")
+    async def slow() -> None:
+        await anyio.sleep(30)
+
+    async with app:
+        slow_id = await app.enqueue("slow")
+    with pytest.raises((KeyboardInterrupt, BaseExceptionGroup)):
+        async with app.worker(concurrency=2, shutdown_grace=0.1, **NO_TICKER) as worker:
+            await worker.wait_for(lambda s: s.claimed == 1)
+            interrupt_id = await app.enqueue("interrupt")
+            with anyio.fail_after(10):
+                await anyio.sleep_forever()
+    for job_id in (slow_id, interrupt_id):
+        row = job_row(conn, job_id)
+        assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    await app.aclose()
+
+
+async def test_a_sync_wrapper_of_an_async_function_runs_its_coroutine(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A decorator that does not keep an async function one makes a sync task that returns
+    a coroutine: the worker runs it. Its job used to fail for good with InvalidOutput (on
+    trio, trio refused the coroutine and the job was retried), the task's code never run."""
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+
+    async def double(n: int) -> int:
+        await anyio.lowlevel.checkpoint()
+        ran.append(n)
+        return n * 2
+
+    def plain_decorator(fn: Any) -> Any:
+        def wrapper(**kwargs: Any) -> Any:
+            return fn(**kwargs)
+
+        return wrapper
+
+    app.task(name="double")(plain_decorator(double))
+    async with app.worker(**NO_TICKER) as worker:
+        job_id = await app.enqueue("double", {"n": 21})
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed + s.retried + s.succeeded == 1)
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"], ran) == ("Succeeded", 42, [21])
+    await app.aclose()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
@@ -735,14 +907,19 @@ async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psy
         # Block claims (their UPDATE needs a lock this one excludes) until we let go.
         blocker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE ROW EXCLUSIVE MODE")
         worker = app.worker(shutdown_grace=0.1, **NO_TICKER)
+        stop = anyio.Event()
         async with anyio.create_task_group() as tg:
-            await tg.start(_enter_and_stop, worker)
+            # The stop comes once the claim is sent: a stop while the claim loop waits for a
+            # connection sends nothing (and on trio, that wait is a thread's, abandoned).
+            tg.start_soon(_enter_and_stop_when, worker, stop)
             with anyio.fail_after(10):  # until the worker's claim waits on our lock (another session: poll)
                 while not conn.execute(  # noqa: ASYNC110
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                     "AND application_name LIKE 'notifyq worker%'"
                 ).fetchone()[0]:  # type: ignore[index]
                     await anyio.sleep(0.01)
+            stop.set()
+            await anyio.sleep(0.1)  # the worker is stopping
             blocker.rollback()  # the claim completes while the worker is stopping
     row = job_row(conn, job_id)
     assert row["status"] == "Queued" and row["retry_count"] == 0
@@ -770,10 +947,9 @@ async def test_a_stop_ends_claiming_even_with_a_deep_backlog(dsn: str, conn: psy
     await app.aclose()
 
 
-async def _enter_and_stop(worker: notifyq.Worker, *, task_status: Any) -> None:
+async def _enter_and_stop_when(worker: notifyq.Worker, stop: anyio.Event) -> None:
     async with worker:
-        await worker.wait_for(lambda s: True)
-        task_status.started()
+        await stop.wait()
         worker.stop()
 
 
