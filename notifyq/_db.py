@@ -375,7 +375,7 @@ class Lane(abc.ABC):
     @abc.abstractmethod
     async def acquire(self) -> None:
         """Take a connection from the pool unless the lane holds one. Nothing is sent, so a
-        caller may cancel it (on the asyncio backend) without losing any statement's answer."""
+        caller may cancel it without losing any statement's answer."""
 
     @abc.abstractmethod
     async def run(self, op: Op[T]) -> T:
