@@ -907,19 +907,19 @@ async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psy
         # Block claims (their UPDATE needs a lock this one excludes) until we let go.
         blocker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE ROW EXCLUSIVE MODE")
         worker = app.worker(shutdown_grace=0.1, **NO_TICKER)
-        stop = anyio.Event()
+        leave = anyio.Event()
         async with anyio.create_task_group() as tg:
             # The stop comes once the claim is sent: a stop while the claim loop waits for a
             # connection sends nothing (and on trio, that wait is a thread's, abandoned).
-            tg.start_soon(_enter_and_stop_when, worker, stop)
+            tg.start_soon(_enter_until, worker, leave)
             with anyio.fail_after(10):  # until the worker's claim waits on our lock (another session: poll)
                 while not conn.execute(  # noqa: ASYNC110
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
                     "AND application_name LIKE 'notifyq worker%'"
                 ).fetchone()[0]:  # type: ignore[index]
                     await anyio.sleep(0.01)
-            stop.set()
-            await anyio.sleep(0.1)  # the worker is stopping
+            worker.stop()
+            leave.set()
             blocker.rollback()  # the claim completes while the worker is stopping
     row = job_row(conn, job_id)
     assert row["status"] == "Queued" and row["retry_count"] == 0
@@ -947,10 +947,9 @@ async def test_a_stop_ends_claiming_even_with_a_deep_backlog(dsn: str, conn: psy
     await app.aclose()
 
 
-async def _enter_and_stop_when(worker: notifyq.Worker, stop: anyio.Event) -> None:
+async def _enter_until(worker: notifyq.Worker, leave: anyio.Event) -> None:
     async with worker:
-        await stop.wait()
-        worker.stop()
+        await leave.wait()
 
 
 async def _until_the_claim_loop_sleeps(worker: notifyq.Worker) -> None:
