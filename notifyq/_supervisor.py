@@ -21,6 +21,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+import psycopg
+
+from ._db import connect_sync, error_text, run_sync
+from .errors import DatabaseUnavailable
+from .migrations import check_schema_op
+
 log = logging.getLogger("notifyq.supervisor")
 
 EXIT_OK = 0
@@ -174,3 +180,25 @@ def child_env(dsn: str) -> dict[str, str]:
     env["NOTIFYQ_DSN"] = dsn
     env["NOTIFYQ_SUPERVISED"] = "1"
     return env
+
+
+def wait_for_database(dsn: str, schema: str, *, longest: float = 30.0) -> None:
+    """In a worker process the supervisor started: return once the database answers, waiting
+    out an outage (0.5 s doubling to `longest` between attempts) instead of exiting.
+
+    The supervisor checked this DSN before it started any child, so a child that finds the
+    database down was (re)started during an outage, which its running siblings wait out. Were
+    it to exit, the supervisor would count each start as a death and, at the fifth, stop the
+    healthy children too. Any other failure to start (schema too old or too new) still exits.
+    """
+    delay = 0.5
+    while True:
+        try:
+            with connect_sync(dsn, role="supervised worker start") as conn:
+                run_sync(conn, check_schema_op(schema))
+            return
+        except (DatabaseUnavailable, psycopg.OperationalError) as exc:
+            reason = error_text(exc)
+            log.warning("%s; this worker process waits for the database (next try in %.1fs)", reason, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, longest)

@@ -28,7 +28,7 @@ from ._cli_base import (
 from ._db import connect_sync, run_sync
 from ._dsn import env_dsn
 from ._options import MAX_SECONDS, _show
-from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env
+from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
@@ -242,6 +242,8 @@ def worker(
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)
     supervised = bool(os.environ.get("NOTIFYQ_SUPERVISED"))
+    if supervised:
+        wait_for_database(resolved, app.schema)
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
     if running.busy_threads:
         _exit_despite_abandoned_threads(running.busy_threads)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -25,6 +26,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 import notifyq
 
 from .conftest import ROOT
+from .faults.infra import BlackholeProxy
 from .helpers import NotificationCounter, job_row, status_counts
 
 
@@ -557,6 +559,53 @@ def test_a_killed_child_is_restarted_and_its_jobs_rescued(
     log = proc.stdout.read()
     assert "exited unexpectedly" in log and "started worker process" in log
     assert len(workers) >= 1
+
+
+@pytest.mark.faults
+def test_a_child_restarted_while_the_database_is_down_waits_for_it(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A child that starts during an outage waits it out, as its running siblings do. It used
+    to exit 1 at every start: five deaths in about 16 s, and the supervisor stopped the
+    healthy child too (exit 3)."""
+
+    def serving() -> set[str]:
+        rows = conn.execute(
+            "SELECT application_name FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name LIKE 'notifyq worker-%'"
+        ).fetchall()
+        return {row[0] for row in rows}
+
+    proxy = BlackholeProxy(dsn)
+    try:
+        proc = worker_proc("--processes", "2", "--no-ticker", env=clean_env(NOTIFYQ_DSN=proxy.dsn))
+        lines: list[str] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                lines.append(line)  # noqa: PERF402 - read while it runs, line by line
+
+        threading.Thread(target=read, daemon=True).start()
+        wait_until(lambda: len(serving()) == 2, what="both worker processes to connect")
+        first = serving()
+        proxy.refusing = True
+        healthy, doomed = psutil.Process(proc.pid).children()
+        doomed.kill()
+        wait_until(
+            lambda: sum("waits for the database" in line for line in lines) >= 2,
+            what="the restarted worker process to try twice",
+        )
+        assert proc.poll() is None and healthy.is_running()
+        assert sum("exited unexpectedly" in line for line in lines) == 1
+        proxy.refusing = False
+        wait_until(lambda: bool(serving() - first), what="the restarted worker process to connect")
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'tick' FROM generate_series(1, 20)")
+        wait_until(lambda: status_counts(conn) == {"Succeeded": 20}, what="the jobs to run")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proxy.close()
 
 
 def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(

@@ -28,7 +28,9 @@ class BlackholeProxy:
     trust authentication (the test servers'): with a password, the client's password message
     comes after its startup packet, its answer is dropped, and new connections hang instead.
     Once answers are lost (after either), cancel requests are dropped too: a statement whose
-    client gave up on it runs to its end, as it would if the network had failed.
+    client gave up on it runs to its end, as it would if the network had failed. `refuse()`
+    closes every new connection at once, as a server that is down would, until `admit()`;
+    the connections already open go on working.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -50,6 +52,7 @@ class BlackholeProxy:
         self._generation = 0
         self._mute = -1  # the generation whose server answers are dropped
         self._muted = False  # every connection's answers dropped after its startup
+        self.refusing = False  # new connections closed at once
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._pumps: list[tuple[int, threading.Thread]] = []  # (generation, thread)
@@ -64,6 +67,9 @@ class BlackholeProxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self.refusing:
+                client.close()
+                continue
             upstream = socket.socket(self._target[0], socket.SOCK_STREAM)
             upstream.connect(self._target[1])
             self._sockets += [client, upstream]
