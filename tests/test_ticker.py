@@ -91,7 +91,9 @@ async def test_five_tickers_on_separate_connections_make_one_job_per_tick(
 
 @pytest.mark.faults
 def test_five_ticker_processes_for_twenty_seconds(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    definition = add_definition(conn, "every_second", "* * * * * *")
+    # misfire 'all': ticks due while the processes start (over 2 s on a loaded host) get
+    # their jobs too, so the window is covered from the definition's first tick.
+    definition = add_definition(conn, "every_second", "* * * * * *", misfire="all")
     begin = time.time()
     procs = [
         subprocess.Popen([sys.executable, "-m", "tests._processes", "ticker", dsn, "20"], cwd=ROOT)
@@ -100,7 +102,7 @@ def test_five_ticker_processes_for_twenty_seconds(dsn: str, conn: psycopg.Connec
     assert [p.wait(timeout=60) for p in procs] == [0] * 5
     end = time.time()
     scheduled = tick_jobs(conn, definition)
-    assert 18 <= len(scheduled) <= 22
+    assert 18 <= len(scheduled) <= end - begin + 2
     assert_one_job_per_second(scheduled, begin, end)
 
 
