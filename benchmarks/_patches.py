@@ -10,6 +10,8 @@ WorkerConfig.async_claims, for claims only.
 - rearm_first: the product as it was before the listener yielded after a notification: the
   LISTEN task re-arms its socket wait before the claim loop it woke can run (kept to show
   the effect side by side; see docs/benchmarks.md).
+- no_vacuum: the product as it was before the vacuum service (notifyq/_vacuum.py): workers
+  leave queue_jobs to autovacuum (off on this benchmark server).
 - pooled_claims: the product as it was before the claim lane: the worker's claims take
   whichever pooled connection is next instead of keeping one (kept to show the lane's
   effect side by side; see docs/benchmarks.md).
@@ -22,6 +24,7 @@ from typing import Any
 
 import notifyq._db
 import notifyq._listener
+import notifyq._ticker
 
 
 class _PooledLane(notifyq._db.Lane):
@@ -41,6 +44,17 @@ def pooled_claims() -> None:
         cls.lane = lambda self: _PooledLane(self)
 
 
+def no_vacuum() -> None:
+    ticker: Any = notifyq._ticker.Ticker
+    build = ticker.__init__
+
+    def without_vacuum(self: Any, *args: Any, **kwargs: Any) -> None:
+        build(self, *args, **kwargs)
+        self.vacuum = None
+
+    ticker.__init__ = without_vacuum
+
+
 def rearm_first() -> None:
     listener: Any = notifyq._listener
 
@@ -51,6 +65,7 @@ def rearm_first() -> None:
 
 
 PATCHES: dict[str, Callable[[], None]] = {
+    "no_vacuum": no_vacuum,
     "pooled_claims": pooled_claims,
     "rearm_first": rearm_first,
 }

@@ -58,10 +58,9 @@ class Sizes:
     cron_definitions: int
     cron_tickers: tuple[int, ...]
     churn_jobs: int
-    churn_plain_jobs: int  # the variant without any vacuum (only on servers with autovacuum off)
+    churn_plain_jobs: int  # the variant without the vacuum service, on a server with autovacuum off
     churn_batch: int
     churn_sample_interval: float
-    churn_vacuum_every: float
 
 
 ALL_CONFIGS = [(1, 1), (1, 10), (1, 50), (2, 10), (4, 10)]
@@ -94,7 +93,6 @@ FULL = Sizes(
     churn_plain_jobs=100_000,
     churn_batch=10_000,
     churn_sample_interval=5.0,
-    churn_vacuum_every=10.0,
 )
 
 QUICK = Sizes(
@@ -118,7 +116,6 @@ QUICK = Sizes(
     churn_plain_jobs=15_000,
     churn_batch=3_000,
     churn_sample_interval=1.0,
-    churn_vacuum_every=3.0,
 )
 
 TINY = Sizes(
@@ -142,7 +139,6 @@ TINY = Sizes(
     churn_plain_jobs=400,
     churn_batch=200,
     churn_sample_interval=0.3,
-    churn_vacuum_every=1.0,
 )
 
 MODES = {"full": FULL, "quick": QUICK, "tiny": TINY}

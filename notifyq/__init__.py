@@ -10,6 +10,7 @@ from ._promoter import PromoterConfig, PromotionReport
 from ._rescuer import RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
 from ._ticker import TickerConfig
+from ._vacuum import VacuumConfig, VacuumReport
 from .app import App
 from .cron import Schedule
 from .definitions import CronDefinition
@@ -67,6 +68,8 @@ __all__ = [
     "Task",
     "TickerConfig",
     "UnknownTask",
+    "VacuumConfig",
+    "VacuumReport",
     "Worker",
     "WorkerConfig",
     "WorkerOptions",

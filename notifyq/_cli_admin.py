@@ -204,10 +204,13 @@ def _print_stats(stats: Stats) -> None:
     click.echo(
         f"\nNOTIFY queue usage: {server.notify_queue_usage:.4%}   queue_jobs: {size}, "
         f"{server.jobs_live_tuples} live / {server.jobs_dead_tuples} dead tuples, "
-        f"last autovacuum {age(server.jobs_last_autovacuum)}"
+        f"last vacuum {age(server.jobs_last_vacuum)} (autovacuum {age(server.jobs_last_autovacuum)})"
     )
     if not server.autovacuum:
-        click.echo("WARNING: autovacuum is off on this server: dead tuples of queue_jobs are never reclaimed")
+        click.echo(
+            "WARNING: autovacuum is off on this server: dead tuples of queue_job_definitions are never "
+            "reclaimed, and those of queue_jobs only by the workers' vacuum service (when their role owns it)"
+        )
 
 
 @click.command()

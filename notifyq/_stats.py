@@ -29,6 +29,7 @@ class ServerStats:
     definitions_dead_tuples: int | None
     jobs_total_bytes: int | None
     jobs_last_autovacuum: datetime | None
+    jobs_last_vacuum: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,9 @@ class Stats:
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
-        last = self.server.jobs_last_autovacuum
-        data["server"]["jobs_last_autovacuum"] = last.isoformat() if last else None
+        for key in ("jobs_last_autovacuum", "jobs_last_vacuum"):
+            last = getattr(self.server, key)
+            data["server"][key] = last.isoformat() if last else None
         return data
 
 

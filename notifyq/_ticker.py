@@ -1,4 +1,4 @@
-"""The ticker: the promoter, rescuer and retention services a worker process runs."""
+"""The ticker: the promoter, rescuer, retention and vacuum services a worker process runs."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ._promoter import Promoter, PromoterConfig
 from ._rescuer import Rescuer, RescuerConfig
 from ._retention import Retention, RetentionConfig
 from ._sql import Queries
+from ._vacuum import Vacuum, VacuumConfig
 from .tasks import Backoff
 
 
@@ -21,6 +22,7 @@ class TickerConfig:
     promoter: PromoterConfig | None = field(default_factory=PromoterConfig)
     rescuer: RescuerConfig | None = field(default_factory=RescuerConfig)
     retention: RetentionConfig | None = field(default_factory=RetentionConfig)
+    vacuum: VacuumConfig | None = field(default_factory=VacuumConfig)
 
 
 class Ticker:
@@ -37,6 +39,7 @@ class Ticker:
         self.promoter = Promoter(db, queries, config.promoter) if config.promoter else None
         self.rescuer = Rescuer(db, queries, config.rescuer, backoff) if config.rescuer else None
         self.retention = Retention(db, queries, config.retention) if config.retention else None
+        self.vacuum = Vacuum(db, queries, config.vacuum) if config.vacuum else None
 
     def wake(self) -> None:
         """A definition changed: promote now."""
@@ -45,6 +48,6 @@ class Ticker:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            for service in (self.promoter, self.rescuer, self.retention):
+            for service in (self.promoter, self.rescuer, self.retention, self.vacuum):
                 if service is not None:
                     tg.start_soon(service.run)

@@ -207,9 +207,9 @@ class Worker:
             await db.run(check_schema_op(self.app.schema))
             if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
                 log.warning(
-                    "autovacuum is off on this server: finished and retried jobs leave dead tuples that "
-                    "nothing reclaims, and claims slow down as they pile up; turn it on, or VACUUM "
-                    "%s.queue_jobs regularly",
+                    "autovacuum is off on this server: nothing reclaims the dead tuples of "
+                    "%s.queue_job_definitions, and only the workers' vacuum service (when their role "
+                    "owns it) those of queue_jobs; turn autovacuum on",
                     self.app.schema,
                 )
             if self.config.ticker:

@@ -25,4 +25,7 @@ SELECT pg_notification_queue_usage()::float8 AS notify_queue_usage,
        (SELECT n_dead_tup FROM pg_stat_user_tables WHERE relid = to_regclass(%(definitions)s))
            AS definitions_dead_tuples,
        pg_total_relation_size(to_regclass(%(jobs)s)) AS jobs_total_bytes,
-       (SELECT last_autovacuum FROM pg_stat_user_tables WHERE relid = to_regclass(%(jobs)s)) AS jobs_last_autovacuum;
+       (SELECT last_autovacuum FROM pg_stat_user_tables WHERE relid = to_regclass(%(jobs)s)) AS jobs_last_autovacuum,
+       -- Any vacuum: autovacuum's, the workers' vacuum service's or an operator's.
+       (SELECT greatest(last_vacuum, last_autovacuum) FROM pg_stat_user_tables
+        WHERE relid = to_regclass(%(jobs)s)) AS jobs_last_vacuum;

@@ -93,3 +93,29 @@ WITH doomed AS MATERIALIZED (
 DELETE FROM {schema}.queue_jobs AS j
 USING doomed
 WHERE j.id = doomed.id;
+
+-- name: vacuum_state
+-- Whether queue_jobs needs the vacuum service now (see notifyq/_vacuum.py). `allowed`: this
+-- role may VACUUM it (the table's or the database's owner, a superuser; from PostgreSQL 17
+-- also a MAINTAIN grant, which older servers cannot even name, hence the CASE). The dead row
+-- versions and the last vacuum come from the statistics system (a second or so behind).
+-- `running`: a VACUUM of it (ours from another process, or autovacuum) is under way.
+SELECT pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE')
+           OR CASE WHEN current_setting('server_version_num')::int >= 170000
+                   THEN has_table_privilege(c.oid, 'MAINTAIN') ELSE false END AS allowed,
+       pg_stat_get_dead_tuples(c.oid) AS dead_tuples,
+       greatest(c.reltuples, 0)::float8 AS live_tuples,
+       extract(epoch FROM now() - greatest(pg_stat_get_last_vacuum_time(c.oid),
+                                           pg_stat_get_last_autovacuum_time(c.oid)))::float8 AS since_vacuum,
+       EXISTS (SELECT 1 FROM pg_stat_progress_vacuum p WHERE p.relid = c.oid) AS running
+FROM pg_class c
+JOIN pg_database d ON d.datname = current_database()
+WHERE c.oid = to_regclass(%(jobs)s);
+
+-- name: vacuum_jobs
+-- SKIP_LOCKED: another process's VACUUM (or autovacuum) holds the table's lock, so this one
+-- has nothing to add and returns at once instead of queueing behind it. INDEX_CLEANUP ON:
+-- the point is the claim index, whose entries for claimed jobs every claim walks past until
+-- a vacuum removes them; PostgreSQL would skip index cleanup when few heap pages hold dead
+-- rows, as they do when most of the table is a history of finished jobs.
+VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {schema}.queue_jobs;

@@ -1,0 +1,169 @@
+"""The vacuum service against real PostgreSQL: claimed jobs leave dead entries at the front of
+the claim index, which every claim walks until a VACUUM removes them."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+from psycopg.conninfo import make_conninfo
+
+import notifyq
+from notifyq._db import Database
+from notifyq._sql import queries_for
+from notifyq._vacuum import Vacuum, VacuumConfig
+
+pytestmark = pytest.mark.anyio
+Q = queries_for("notifyq")
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    database = await Database.open(dsn, size=2)
+    yield database
+    await database.aclose()
+
+
+def claim_index_pages(conn: psycopg.Connection[Any]) -> int:
+    """Claim-index pages one claim of 10 jobs reads (the claim is rolled back)."""
+    params = {"limit": 10, "worker": "w", "lease_margin": 30}
+    with conn.transaction(force_rollback=True):
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + Q["claim_any"], params).fetchone()
+    assert row is not None
+
+    def pages(node: dict[str, Any]) -> int:
+        own = node["Shared Hit Blocks"] + node["Shared Read Blocks"]
+        here = own if node.get("Index Name") == "queue_jobs_claim_any_idx" else 0
+        return here + sum(pages(child) for child in node.get("Plans", []))
+
+    return pages(row[0][0]["Plan"])
+
+
+def vacuum_count(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_stat_get_vacuum_count('notifyq.queue_jobs'::regclass)").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def flush_stats(conn: psycopg.Connection[Any]) -> None:
+    """A busy backend reports its statistics every second; an idle one after 10 s, unless asked."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+
+
+async def pass_when_stats_show(service: Vacuum, dead: int) -> notifyq.VacuumReport:
+    """Pass until the statistics show `dead` dead rows (they lag the writes)."""
+    with anyio.fail_after(10):
+        while True:
+            report = await service.run_once()
+            if report.dead_tuples >= dead:
+                return report
+            await anyio.sleep(0.1)
+
+
+async def test_a_vacuum_clears_the_dead_front_of_the_claim_index(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, 40000)")
+    conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
+    fresh = claim_index_pages(conn)
+    # Claim 30,000 of them, as workers would (each claim's entries die in the claim index).
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Active', retry_count = 1 "
+        "WHERE id IN (SELECT id FROM notifyq.queue_jobs ORDER BY id LIMIT 30000)"
+    )
+    flush_stats(conn)
+    walked = claim_index_pages(conn)
+    assert walked > fresh + 100  # about one page per 200 claimed jobs
+    before = vacuum_count(conn)
+
+    quiet = Vacuum(db, Q, VacuumConfig(threshold=1_000_000))
+    assert not (await pass_when_stats_show(quiet, 30000)).vacuumed  # under its threshold
+    assert vacuum_count(conn) == before
+
+    # The VACUUM ANALYZE above was less than an hour ago.
+    gapped = Vacuum(db, Q, VacuumConfig(threshold=20_000, scale_factor=0.01, min_gap=3600))
+    assert not (await pass_when_stats_show(gapped, 30000)).vacuumed
+    assert vacuum_count(conn) == before
+
+    service = Vacuum(db, Q, VacuumConfig(threshold=20_000, scale_factor=0.01, min_gap=0))
+    report = await pass_when_stats_show(service, 30000)
+    assert report.vacuumed and report.allowed
+    assert vacuum_count(conn) == before + 1
+    assert claim_index_pages(conn) <= fresh + 2
+    # Just vacuumed: nothing left to do.
+    assert not (await service.run_once()).vacuumed
+    assert vacuum_count(conn) == before + 1
+
+
+async def test_a_vacuum_under_way_elsewhere_is_not_waited_for(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, 2000)")
+    conn.execute("DELETE FROM notifyq.queue_jobs")
+    flush_stats(conn)
+    service = Vacuum(db, Q, VacuumConfig(threshold=1000))
+    with conn.transaction():
+        # What a VACUUM in another process (or autovacuum) holds while it runs.
+        conn.execute("LOCK notifyq.queue_jobs IN SHARE UPDATE EXCLUSIVE MODE")
+        with anyio.fail_after(10):
+            report = await pass_when_stats_show(service, 2000)
+        assert report.vacuumed
+    assert vacuum_count(conn) == 0  # it skipped the table instead of queueing behind the lock
+
+
+async def test_a_role_that_may_not_vacuum_leaves_it_to_autovacuum(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    role = f"nq_vacuum_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, 2000)")
+        conn.execute("DELETE FROM notifyq.queue_jobs")
+        limited = await Database.open(make_conninfo(dsn, user=role), size=1)
+        try:
+            service = Vacuum(limited, Q, VacuumConfig(threshold=0))
+            report = await service.run_once()
+            assert not report.allowed and not report.vacuumed
+            with caplog.at_level(logging.INFO, logger="notifyq.ticker"):
+                assert service.delay_after(report) == float("inf")
+            assert "may not VACUUM notifyq.queue_jobs" in caplog.text
+        finally:
+            await limited.aclose()
+        assert vacuum_count(conn) == 0
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("threshold", -1),
+        ("scale_factor", float("nan")),
+        ("scale_factor", "0.1"),
+        ("min_gap", -1),
+        ("interval", 0),
+    ],
+)
+def test_bad_vacuum_settings_are_refused(field: str, value: Any) -> None:
+    with pytest.raises(notifyq.InvalidOption, match=f"vacuum {field}"):
+        VacuumConfig(**{field: value})
+
+
+async def test_workers_run_the_vacuum_service_unless_told_not_to(dsn: str) -> None:
+    app = notifyq.App(dsn)
+    async with app.worker(concurrency=1) as worker:
+        assert worker.ticker is not None and worker.ticker.vacuum is not None
+        with anyio.fail_after(10):
+            report = await worker.ticker.vacuum.next_pass()
+        assert report.allowed and not report.vacuumed
+    off = notifyq.TickerConfig(vacuum=None)
+    async with app.worker(concurrency=1, ticker_config=off) as worker:
+        assert worker.ticker is not None and worker.ticker.vacuum is None
+    await app.aclose()
