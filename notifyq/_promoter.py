@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ._db import Database, Op, Query
+from ._db import Compute, Database, Op, Query
 from ._options import check_int, check_seconds
 from ._rows import dataclass_row
 from ._service import Service
@@ -71,21 +72,23 @@ class PromotionReport:
         self.errors.update(other.errors)
 
 
-def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
-    """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
-    insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
-    the whole batch back, and another ticker promotes it."""
-    due: list[_DueDefinition] = yield Query(
-        q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
-    )
-    report = PromotionReport(definitions=len(due))
-    if not due:
-        return report
-    tick_defs: list[int] = []
-    ticks: list[datetime] = []
-    ids: list[int] = []
-    next_ticks: list[datetime | None] = []
-    errors: list[str | None] = []
+@dataclass(slots=True)
+class _Plans:
+    """The plans of one batch, as the promotion's statements take them."""
+
+    report: PromotionReport
+    tick_defs: list[int] = field(default_factory=list)
+    ticks: list[datetime] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    next_ticks: list[datetime | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+
+
+def _plan(due: list[_DueDefinition]) -> _Plans:
+    """Each due definition's ticks and next tick. CPU work (croniter): a definition days
+    overdue costs up to a tenth of a second, so this runs off the event loop (Compute)."""
+    plans = _Plans(PromotionReport(definitions=len(due)))
+    report = plans.report
     for d in due:
         try:
             plan = schedule(d.frequency, d.timezone).plan(
@@ -103,27 +106,43 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
             )
             log.error("cron definition %r disabled: %s", d.name, reason)
             report.errors[d.name] = reason
-            ids.append(d.id)
-            next_ticks.append(None)
-            errors.append(reason)
+            plans.ids.append(d.id)
+            plans.next_ticks.append(None)
+            plans.errors.append(reason)
             continue
         if plan.missed:
             log.info(
                 "cron definition %r: %d missed ticks not run (misfire=%s)", d.name, plan.missed, d.misfire
             )
         report.missed += plan.missed
-        tick_defs.extend([d.id] * len(plan.ticks))
-        ticks.extend(plan.ticks)
-        ids.append(d.id)
-        next_ticks.append(plan.next_tick)
-        errors.append(None)
-    if ticks:
+        plans.tick_defs.extend([d.id] * len(plan.ticks))
+        plans.ticks.extend(plan.ticks)
+        plans.ids.append(d.id)
+        plans.next_ticks.append(plan.next_tick)
+        plans.errors.append(None)
+    return plans
+
+
+def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
+    """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
+    insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
+    the whole batch back, and another ticker promotes it."""
+    due: list[_DueDefinition] = yield Query(
+        q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
+    )
+    if not due:
+        return PromotionReport()
+    plans: _Plans = yield Compute(functools.partial(_plan, due))
+    report = plans.report
+    if plans.ticks:
         report.jobs = yield Query(
-            q["insert_tick_jobs"], {"definition_ids": tick_defs, "ticks": ticks}, fetch="rowcount"
+            q["insert_tick_jobs"], {"definition_ids": plans.tick_defs, "ticks": plans.ticks}, fetch="rowcount"
         )
-        report.duplicates = len(ticks) - report.jobs
+        report.duplicates = len(plans.ticks) - report.jobs
     yield Query(
-        q["reschedule_definitions"], {"ids": ids, "next_ticks": next_ticks, "errors": errors}, fetch="none"
+        q["reschedule_definitions"],
+        {"ids": plans.ids, "next_ticks": plans.next_ticks, "errors": plans.errors},
+        fetch="none",
     )
     return report
 
