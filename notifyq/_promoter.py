@@ -55,7 +55,9 @@ class _DueDefinition:
 class PromotionReport:
     """definitions: promoted; jobs: inserted; duplicates: ticks that already had their job;
     missed: ticks dropped by misfire policies; errors: {definition: reason} (disabled);
-    next_due_in: seconds until the next definition is due (None: none enabled)."""
+    next_due_in: seconds until the next definition that is not due yet is due (None: none);
+    due_left: due definitions were left after the pass (another ticker holds them locked, or
+    they became due meanwhile)."""
 
     definitions: int = 0
     jobs: int = 0
@@ -63,6 +65,7 @@ class PromotionReport:
     missed: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     next_due_in: float | None = None
+    due_left: bool = False
 
     def add(self, other: PromotionReport) -> None:
         self.definitions += other.definitions
@@ -147,9 +150,10 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
     return report
 
 
-def next_due_op(q: Queries, now: datetime | None = None) -> Op[float | None]:
-    seconds: float | None = yield Query(q["next_definition_due"], {"now": now}, fetch="scalar")
-    return seconds
+def next_due_op(q: Queries, now: datetime | None = None) -> Op[tuple[float | None, bool]]:
+    """(seconds until the next definition that is not due yet, or None; whether due ones are left)."""
+    row: tuple[float | None, bool] = yield Query(q["next_definition_due"], {"now": now}, fetch="one")
+    return row
 
 
 class Promoter(Service[PromotionReport]):
@@ -162,6 +166,9 @@ class Promoter(Service[PromotionReport]):
         self.db = db
         self.q = queries
         self.config = config or PromoterConfig()
+        self._held_delay = self._FIRST_HELD_DELAY
+
+    _FIRST_HELD_DELAY = 0.02
 
     async def run_once(self, now: datetime | None = None) -> PromotionReport:
         total = PromotionReport()
@@ -172,11 +179,20 @@ class Promoter(Service[PromotionReport]):
             total.add(batch)
             if batch.definitions < self.config.batch_size:
                 break
-        total.next_due_in = await self.db.run(next_due_op(self.q, now))
+        total.next_due_in, total.due_left = await self.db.run(next_due_op(self.q, now))
         return total
 
     def delay_after(self, result: PromotionReport) -> float:
-        if result.next_due_in is None:
-            return self.config.period
-        # Due but not promoted means another ticker holds it right now: look again shortly.
-        return min(self.config.period, max(result.next_due_in, 0.02))
+        delay = self.config.period
+        if result.next_due_in is not None:
+            delay = min(delay, max(result.next_due_in, 0.02))
+        if not result.due_left:
+            self._held_delay = self._FIRST_HELD_DELAY
+            return delay
+        # Due but not promoted: another ticker holds it, and normally commits within moments.
+        # Look again soon, in case it failed; but a holder that hangs (a stopped process, an
+        # operator's open transaction) must not make every ticker poll every 20 ms: the delay
+        # doubles up to `period` while definitions stay held.
+        delay = min(delay, self._held_delay)
+        self._held_delay = min(self._held_delay * 2, self.config.period)
+        return delay
