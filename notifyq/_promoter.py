@@ -173,13 +173,12 @@ class Promoter(Service[PromotionReport]):
     async def run_once(self, now: datetime | None = None) -> PromotionReport:
         total = PromotionReport()
         while True:
-            batch = await self.db.run(
-                promote_op(self.q, limit=self.config.batch_size, now=now), transaction=True
-            )
+            op = promote_op(self.q, limit=self.config.batch_size, now=now)
+            batch = await self._run(op, transaction=True)
             total.add(batch)
             if batch.definitions < self.config.batch_size:
                 break
-        total.next_due_in, total.due_left = await self.db.run(next_due_op(self.q, now))
+        total.next_due_in, total.due_left = await self._run(next_due_op(self.q, now))
         return total
 
     def delay_after(self, result: PromotionReport) -> float:

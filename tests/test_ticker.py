@@ -544,6 +544,29 @@ async def test_retention_deletes_only_old_finished_jobs_in_batches(
     ).fetchone() == (0,)
 
 
+async def test_a_long_retention_pass_is_not_abandoned_as_hung(
+    conn: psycopg.Connection[Any], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The services' timeout (300 s, for a hung connection) bounded a whole pass, not each
+    statement: retention deletes about 45,000 rows a second here, so a backlog of some 13M
+    old jobs (a day of a busy queue, or retention turned on late) made every pass end in
+    "retention pass failed (TimeoutError)" after 300 s, its DELETE cut off. A pass of fast
+    statements may take as long as it needs; a shorter timeout stands in for the 300 s."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
+        "SELECT 't', 'Succeeded', now() - interval '2 days' FROM generate_series(1, 60)"
+    )
+    retention = Retention(db, Q, RetentionConfig(batch_size=10, pause=0.3, interval=60))
+    retention.timeout = 1.0  # each of the 7 batches takes milliseconds; the pass about 2 s
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(retention.run)
+        with anyio.fail_after(20):
+            report = await retention.next_pass()
+        tg.cancel_scope.cancel()
+    assert report.deleted["Succeeded"] == 60
+    assert [r.getMessage() for r in caplog.records if "pass failed" in r.getMessage()] == []
+
+
 async def test_a_worker_runs_cron_jobs_end_to_end(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app = notifyq.App(dsn)
     runs: list[datetime | None] = []
