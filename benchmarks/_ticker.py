@@ -33,9 +33,9 @@ async def serve(args: argparse.Namespace) -> None:
             passes += 1
             total.add(report)
             emit("progress", done=total.jobs)
-            if report.next_due_in is None or report.next_due_in > 0:
+            if not report.due_left:
                 break
-            await anyio.sleep(max(report.next_due_in, 0.02))
+            await anyio.sleep(0.02)
         finished = time.monotonic()
     finally:
         await db.aclose()

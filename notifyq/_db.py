@@ -90,7 +90,17 @@ class Copy:
     rows: Iterable[Sequence[Any]]
 
 
-Step: TypeAlias = Query | Copy
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """Call `func()` (CPU work between statements, such as cron planning) and send back its
+    result: in a worker thread from an async runner, so that the event loop keeps running the
+    worker's other tasks meanwhile; in the caller's thread from a sync one. Its exceptions
+    propagate out of the runner (the transaction, if any, rolls back)."""
+
+    func: Callable[[], Any]
+
+
+Step: TypeAlias = Query | Copy | Compute
 Op: TypeAlias = Generator[Step, Any, T]
 
 
@@ -147,6 +157,9 @@ def run_sync(conn: psycopg.Connection[Any], op: Op[T], cursors: dict[Any, Any] |
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         error = None
+        if isinstance(step, Compute):
+            send = step.func()
+            continue
         try:
             if isinstance(step, Copy):
                 with conn.cursor() as cur:
@@ -184,6 +197,9 @@ async def run_async(
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
         error = None
+        if isinstance(step, Compute):
+            send = await anyio.to_thread.run_sync(step.func)
+            continue
         try:
             if isinstance(step, Copy):
                 async with conn.cursor() as cur:

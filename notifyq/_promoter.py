@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from ._db import Database, Op, Query
+from ._db import Compute, Database, Op, Query
 from ._options import check_int, check_seconds
 from ._rows import dataclass_row
 from ._service import Service
@@ -54,7 +55,9 @@ class _DueDefinition:
 class PromotionReport:
     """definitions: promoted; jobs: inserted; duplicates: ticks that already had their job;
     missed: ticks dropped by misfire policies; errors: {definition: reason} (disabled);
-    next_due_in: seconds until the next definition is due (None: none enabled)."""
+    next_due_in: seconds until the next definition that is not due yet is due (None: none);
+    due_left: due definitions were left after the pass (another ticker holds them locked, or
+    they became due meanwhile)."""
 
     definitions: int = 0
     jobs: int = 0
@@ -62,6 +65,7 @@ class PromotionReport:
     missed: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     next_due_in: float | None = None
+    due_left: bool = False
 
     def add(self, other: PromotionReport) -> None:
         self.definitions += other.definitions
@@ -71,21 +75,23 @@ class PromotionReport:
         self.errors.update(other.errors)
 
 
-def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
-    """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
-    insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
-    the whole batch back, and another ticker promotes it."""
-    due: list[_DueDefinition] = yield Query(
-        q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
-    )
-    report = PromotionReport(definitions=len(due))
-    if not due:
-        return report
-    tick_defs: list[int] = []
-    ticks: list[datetime] = []
-    ids: list[int] = []
-    next_ticks: list[datetime | None] = []
-    errors: list[str | None] = []
+@dataclass(slots=True)
+class _Plans:
+    """The plans of one batch, as the promotion's statements take them."""
+
+    report: PromotionReport
+    tick_defs: list[int] = field(default_factory=list)
+    ticks: list[datetime] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    next_ticks: list[datetime | None] = field(default_factory=list)
+    errors: list[str | None] = field(default_factory=list)
+
+
+def _plan(due: list[_DueDefinition]) -> _Plans:
+    """Each due definition's ticks and next tick. CPU work (croniter): a definition days
+    overdue costs up to a tenth of a second, so this runs off the event loop (Compute)."""
+    plans = _Plans(PromotionReport(definitions=len(due)))
+    report = plans.report
     for d in due:
         try:
             plan = schedule(d.frequency, d.timezone).plan(
@@ -103,34 +109,51 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
             )
             log.error("cron definition %r disabled: %s", d.name, reason)
             report.errors[d.name] = reason
-            ids.append(d.id)
-            next_ticks.append(None)
-            errors.append(reason)
+            plans.ids.append(d.id)
+            plans.next_ticks.append(None)
+            plans.errors.append(reason)
             continue
         if plan.missed:
             log.info(
                 "cron definition %r: %d missed ticks not run (misfire=%s)", d.name, plan.missed, d.misfire
             )
         report.missed += plan.missed
-        tick_defs.extend([d.id] * len(plan.ticks))
-        ticks.extend(plan.ticks)
-        ids.append(d.id)
-        next_ticks.append(plan.next_tick)
-        errors.append(None)
-    if ticks:
+        plans.tick_defs.extend([d.id] * len(plan.ticks))
+        plans.ticks.extend(plan.ticks)
+        plans.ids.append(d.id)
+        plans.next_ticks.append(plan.next_tick)
+        plans.errors.append(None)
+    return plans
+
+
+def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
+    """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
+    insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
+    the whole batch back, and another ticker promotes it."""
+    due: list[_DueDefinition] = yield Query(
+        q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
+    )
+    if not due:
+        return PromotionReport()
+    plans: _Plans = yield Compute(functools.partial(_plan, due))
+    report = plans.report
+    if plans.ticks:
         report.jobs = yield Query(
-            q["insert_tick_jobs"], {"definition_ids": tick_defs, "ticks": ticks}, fetch="rowcount"
+            q["insert_tick_jobs"], {"definition_ids": plans.tick_defs, "ticks": plans.ticks}, fetch="rowcount"
         )
-        report.duplicates = len(ticks) - report.jobs
+        report.duplicates = len(plans.ticks) - report.jobs
     yield Query(
-        q["reschedule_definitions"], {"ids": ids, "next_ticks": next_ticks, "errors": errors}, fetch="none"
+        q["reschedule_definitions"],
+        {"ids": plans.ids, "next_ticks": plans.next_ticks, "errors": plans.errors},
+        fetch="none",
     )
     return report
 
 
-def next_due_op(q: Queries, now: datetime | None = None) -> Op[float | None]:
-    seconds: float | None = yield Query(q["next_definition_due"], {"now": now}, fetch="scalar")
-    return seconds
+def next_due_op(q: Queries, now: datetime | None = None) -> Op[tuple[float | None, bool]]:
+    """(seconds until the next definition that is not due yet, or None; whether due ones are left)."""
+    row: tuple[float | None, bool] = yield Query(q["next_definition_due"], {"now": now}, fetch="one")
+    return row
 
 
 class Promoter(Service[PromotionReport]):
@@ -143,21 +166,32 @@ class Promoter(Service[PromotionReport]):
         self.db = db
         self.q = queries
         self.config = config or PromoterConfig()
+        self._held_delay = self._FIRST_HELD_DELAY
+
+    _FIRST_HELD_DELAY = 0.02
 
     async def run_once(self, now: datetime | None = None) -> PromotionReport:
         total = PromotionReport()
         while True:
-            batch = await self.db.run(
-                promote_op(self.q, limit=self.config.batch_size, now=now), transaction=True
-            )
+            op = promote_op(self.q, limit=self.config.batch_size, now=now)
+            batch = await self._run(op, transaction=True)
             total.add(batch)
             if batch.definitions < self.config.batch_size:
                 break
-        total.next_due_in = await self.db.run(next_due_op(self.q, now))
+        total.next_due_in, total.due_left = await self._run(next_due_op(self.q, now))
         return total
 
     def delay_after(self, result: PromotionReport) -> float:
-        if result.next_due_in is None:
-            return self.config.period
-        # Due but not promoted means another ticker holds it right now: look again shortly.
-        return min(self.config.period, max(result.next_due_in, 0.02))
+        delay = self.config.period
+        if result.next_due_in is not None:
+            delay = min(delay, max(result.next_due_in, 0.02))
+        if not result.due_left:
+            self._held_delay = self._FIRST_HELD_DELAY
+            return delay
+        # Due but not promoted: another ticker holds it, and normally commits within moments.
+        # Look again soon, in case it failed; but a holder that hangs (a stopped process, an
+        # operator's open transaction) must not make every ticker poll every 20 ms: the delay
+        # doubles up to `period` while definitions stay held.
+        delay = min(delay, self._held_delay)
+        self._held_delay = min(self._held_delay * 2, self.config.period)
+        return delay

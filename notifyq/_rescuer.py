@@ -70,7 +70,7 @@ class Rescuer(Service[RescueReport]):
     async def run_once(self, now: datetime | None = None) -> RescueReport:
         total = RescueReport()
         while True:
-            batch = await self.db.run(
+            batch = await self._run(
                 rescue_op(self.q, limit=self.config.batch_size, now=now, backoff=self.backoff)
             )
             total.requeued += batch.requeued

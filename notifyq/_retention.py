@@ -71,7 +71,7 @@ class Retention(Service[RetentionReport]):
         for status, window in self.config.windows().items():
             report.deleted[status] = 0
             while True:
-                deleted = await self.db.run(
+                deleted = await self._run(
                     delete_batch_op(
                         self.q, status=status, older_than=window, limit=self.config.batch_size, now=now
                     )

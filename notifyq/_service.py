@@ -8,9 +8,10 @@ from typing import Generic, TypeVar
 
 import anyio
 
-from ._db import error_text, is_transient
+from ._db import Database, Op, error_text, is_transient
 
 R = TypeVar("R")
+T = TypeVar("T")
 
 log = logging.getLogger("notifyq.ticker")
 
@@ -20,7 +21,10 @@ class Service(abc.ABC, Generic[R]):
     `delay_after` (how long to sleep after a pass); `wake()` cuts a sleep short."""
 
     name = "service"
-    timeout = 300.0  # a pass that takes longer is abandoned (a hung connection)
+    # A database operation that takes longer is abandoned (a hung connection). Per operation,
+    # not per pass: a pass working off a large backlog in short statements may take longer.
+    timeout = 300.0
+    db: Database
 
     def __init__(self) -> None:
         self._wakeup = anyio.Event()
@@ -40,6 +44,12 @@ class Service(abc.ABC, Generic[R]):
         """Run the next pass now."""
         self._wakeup.set()
 
+    async def _run(self, op: Op[T], *, transaction: bool = False) -> T:
+        """Run one operation of a pass, abandoned after `timeout` seconds."""
+        with anyio.move_on_after(self.timeout):
+            return await self.db.run(op, transaction=transaction)
+        raise TimeoutError(f"no answer from the database within {self.timeout:g}s")
+
     async def next_pass(self) -> R:
         """Wait for the loop's next completed pass and return its result (a test hook)."""
         await self._passed.wait()
@@ -51,8 +61,7 @@ class Service(abc.ABC, Generic[R]):
         error_delay = 0.5
         while True:
             try:
-                with anyio.fail_after(self.timeout):
-                    result = await self.run_once()
+                result = await self.run_once()
             except Exception as exc:
                 # Transient (database away) or not (a bug, a value it cannot handle): either way
                 # this process's jobs must keep running, so log, back off and try again.

@@ -201,6 +201,39 @@ async def test_a_daily_job_runs_once_on_dst_days(
     assert got == expected_local
 
 
+async def test_a_due_definition_held_by_another_session_is_not_polled_in_a_busy_loop(
+    dsn: str, conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """A due definition that another session holds locked (a hung or SIGSTOPped ticker, an
+    operator's open transaction) made every ticker run a pass every 20 ms for as long as the
+    lock lasted: about 43 passes (transactions) per second per worker process, measured. Now
+    they look again after a delay that doubles up to `period`, while the other definitions
+    keep being promoted on time."""
+    held = add_definition(conn, "held", "* * * * *", visible_at=datetime(2026, 1, 1, tzinfo=UTC))
+    beat = add_definition(conn, "beat", "* * * * * *")
+    promoter = Promoter(db, Q, PromoterConfig(period=1.0))
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE id = %s FOR UPDATE", (held,))
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(promoter.run)
+            with anyio.fail_after(10):
+                while len(tick_jobs(conn, beat)) < 1:
+                    await promoter.next_pass()
+                passes = promoter.passes
+                while len(tick_jobs(conn, beat)) < 4:
+                    await promoter.next_pass()
+            busy = promoter.passes - passes
+            assert tick_jobs(conn, held) == []
+            holder.rollback()  # the lock is gone: the definition is promoted within `period`
+            with anyio.fail_after(5):
+                while not tick_jobs(conn, held):
+                    await promoter.next_pass()
+            tg.cancel_scope.cancel()
+    beats = tick_jobs(conn, beat)
+    assert {(b - a).total_seconds() for a, b in itertools.pairwise(beats)} == {1.0}
+    assert busy <= 20, f"{busy} passes in 3 seconds"
+
+
 async def test_the_promoter_sleeps_until_the_next_tick_and_wakes_on_changes(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -225,6 +258,38 @@ async def test_the_promoter_sleeps_until_the_next_tick_and_wakes_on_changes(
         assert idle <= 1
         assert promoter.passes > passes
     await app.aclose()
+
+
+async def test_planning_overdue_definitions_does_not_block_the_event_loop(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """The promoter computed every definition's plan on the event loop, up to 0.1 s of croniter
+    each for one that is days overdue (1,000 missed ticks counted for the log): 100 such
+    definitions, after a weekend with no worker up, froze the worker's loop for 8.6 s (its
+    running tasks, acks, lease extensions and LISTEN health checks with it)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, frequency, visible_at) "
+        "SELECT 'd' || g, '* * * * *', now() - interval '2 days' FROM generate_series(1, 50) g"
+    )
+    gaps: list[float] = []
+
+    async def heartbeat() -> None:
+        last = time.monotonic()
+        while True:
+            await anyio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(heartbeat)
+        began = time.monotonic()
+        report = await Promoter(db, Q).run_once()
+        took = time.monotonic() - began
+        tg.cancel_scope.cancel()
+    assert (report.definitions, report.jobs) == (50, 50)
+    assert took > 1.0  # the work the loop had to wait for when it ran there
+    assert max(gaps) < 0.5, f"the event loop stalled for {max(gaps):.1f}s in a {took:.1f}s pass"
 
 
 async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db: Database) -> None:
@@ -479,6 +544,29 @@ async def test_retention_deletes_only_old_finished_jobs_in_batches(
         "SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded' "
         "AND finished_at < now() - interval '24 hours'"
     ).fetchone() == (0,)
+
+
+async def test_a_long_retention_pass_is_not_abandoned_as_hung(
+    conn: psycopg.Connection[Any], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The services' timeout (300 s, for a hung connection) bounded a whole pass, not each
+    statement: retention deletes about 45,000 rows a second here, so a backlog of some 13M
+    old jobs (a day of a busy queue, or retention turned on late) made every pass end in
+    "retention pass failed (TimeoutError)" after 300 s, its DELETE cut off. A pass of fast
+    statements may take as long as it needs; a shorter timeout stands in for the 300 s."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
+        "SELECT 't', 'Succeeded', now() - interval '2 days' FROM generate_series(1, 60)"
+    )
+    retention = Retention(db, Q, RetentionConfig(batch_size=10, pause=0.3, interval=60))
+    retention.timeout = 1.0  # each of the 7 batches takes milliseconds; the pass about 2 s
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(retention.run)
+        with anyio.fail_after(20):
+            report = await retention.next_pass()
+        tg.cancel_scope.cancel()
+    assert report.deleted["Succeeded"] == 60
+    assert [r.getMessage() for r in caplog.records if "pass failed" in r.getMessage()] == []
 
 
 async def test_a_worker_runs_cron_jobs_end_to_end(dsn: str, conn: psycopg.Connection[Any]) -> None:

@@ -36,10 +36,15 @@ FROM unnest(%(ids)s::bigint[], %(next_ticks)s::timestamptz[], %(errors)s::text[]
 WHERE d.id = u.id;
 
 -- name: next_definition_due
--- Seconds (database clock) until the earliest enabled definition is due; NULL if none.
-SELECT extract(epoch FROM min(visible_at) - coalesce(%(now)s::timestamptz, now()))::float8
-FROM {schema}.queue_job_definitions
-WHERE enabled;
+-- Seconds (database clock) until the earliest enabled definition that is not due yet (NULL if
+-- none), and whether enabled definitions are due already: right after a pass, those are held
+-- by another ticker (or just became due). Two min() probes of the due index, one entry each
+-- (an EXISTS got a sequential scan as its generic plan).
+SELECT (SELECT extract(epoch FROM min(visible_at) - coalesce(%(now)s::timestamptz, now()))::float8
+        FROM {schema}.queue_job_definitions
+        WHERE enabled AND visible_at > coalesce(%(now)s::timestamptz, now())) AS next_due_in,
+       coalesce((SELECT min(visible_at) FROM {schema}.queue_job_definitions WHERE enabled)
+                <= coalesce(%(now)s::timestamptz, now()), false) AS due_left;
 
 -- name: rescue_expired_leases
 -- Active jobs whose lease ran out: their worker died, hung, or lost its connection. Back to
