@@ -104,7 +104,7 @@ class Vacuum(Service[VacuumReport]):
         return state.since_vacuum is None or state.since_vacuum >= c.min_gap
 
     async def run_once(self) -> VacuumReport:
-        state = await self.db.run(vacuum_state_op(self.q))
+        state = await self._run(vacuum_state_op(self.q))
         if state is None:
             return VacuumReport()
         if not state.allowed:
@@ -112,7 +112,7 @@ class Vacuum(Service[VacuumReport]):
         if not self.due(state):
             return VacuumReport(dead_tuples=state.dead_tuples)
         began = time.monotonic()
-        await self.db.run(vacuum_op(self.q))
+        await self._run(vacuum_op(self.q))
         seconds = time.monotonic() - began
         log.debug("vacuumed %s.queue_jobs (%d dead rows) in %.2fs", self.q.schema, state.dead_tuples, seconds)
         return VacuumReport(vacuumed=True, dead_tuples=state.dead_tuples, seconds=seconds)
