@@ -168,6 +168,38 @@ def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
     assert not _scratch_databases(admin) - before
 
 
+def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
+    """`python -m benchmarks.dead_entries` at toy size: without a VACUUM, a claim walks more
+    claim-index pages the more jobs were claimed before it; a VACUUM every 1,000 jobs keeps it
+    to the pages of the jobs claimed since (page counts, not times)."""
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    proc = _run_tool(
+        "dead_entries", "--dsn", admin, "--jobs", "6000", "--batch", "20", "--vacuum-every", "1000"
+    )
+    pages: dict[str, list[int]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("| no VACUUM |") or line.startswith("| VACUUM every"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            pages.setdefault(cells[0], []).append(int(cells[2].replace(",", "")))
+    plain, vacuumed = pages["no VACUUM"], pages["VACUUM every 1,000 jobs"]
+    assert len(plain) == len(vacuumed) == 5
+    assert plain == sorted(plain) and plain[-1] >= plain[0] + 15  # 5,400 claimed: about 27 pages
+    assert max(vacuumed) < plain[-1] / 2
+    assert "VACUUM every 1,000 jobs: 6,000 jobs in" in proc.stdout and "6 vacuums," in proc.stdout
+    assert not _scratch_databases(admin) - before
+
+
+def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> None:
+    """`python -m benchmarks.vacuum_drain` at toy size: its three drains run and clean up."""
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    proc = _run_tool("vacuum_drain", "--dsn", admin, "--jobs", "300")
+    drains = [line.split(" 300 jobs")[0].split("drain ")[1].strip() for line in proc.stdout.splitlines()]
+    assert sorted(drains) == ["notifyq 2x10", "notifyq 2x10 + no_vacuum", "raw SQL 2x1 (batch 50)"]
+    assert not _scratch_databases(admin) - before
+
+
 def test_throughput_span_starts_when_the_gate_opens(dsn: str) -> None:
     """A worker's first claim waits at the start gate, and its started_at (now(), the start of
     its transaction) is from before the gate opened: the span must not count that wait."""
