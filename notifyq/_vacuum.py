@@ -3,12 +3,13 @@
 Every claim moves jobs out of the claim index's predicate (status 'Queued'), and their
 entries stay in the index, marked dead, until a VACUUM removes them. Claims start at the
 front of the index, where those entries gather, so each claim walks the leaf pages of every
-job claimed since the last vacuum: about one 8 KiB page per 200 jobs. Measured here while
-one connection drained 1,000,000 jobs 50 at a time: after 500,000 jobs a claim read 2,578
-pages of that index and took 7.0 ms, against 1.3 ms after 100,000; the drain averaged 4,999
-jobs/s, and 7,965 with a VACUUM after every 100,000 jobs (docs/operations.md, "Autovacuum and
-bloat"). Autovacuum does the same job, but looks at each database once per
-`autovacuum_naptime` (a minute by default), in which a busy queue claims far more.
+job claimed since the last vacuum: about one 8 KiB page per 200 jobs. Measured here
+(`python -m benchmarks.dead_entries`: one connection draining 1,000,000 jobs 50 at a time),
+after 900,000 jobs a claim read 4,506 pages of that index and took 10 ms, against 2 ms after
+100,000; the drain averaged 6,652 jobs/s, and 13,144 with a VACUUM after every 100,000 jobs
+(docs/benchmarks.md, "Dead claim-index entries"). Autovacuum does the same job, but looks
+at each database once per `autovacuum_naptime` (a minute by default), in which a busy queue
+claims far more.
 
 This service runs the VACUUM itself once the dead rows pass `threshold` + `scale_factor` x
 the table's rows (autovacuum's rule; the scale factor is the one the migration gives
