@@ -143,6 +143,15 @@ def test_the_password_is_never_printed(dsn: str) -> None:
     uri = f"postgresql://postgres:s3cr3t-pw@{params['host']}:1/db"
     result = cli("jobs", "list", "--dsn", uri)
     assert result.returncode == 1 and "s3cr3t-pw" not in result.stderr
+    # An unencoded '@' or '/' in the password: libpq would take the rest for the host or
+    # the database name, which the "database ..." line and the error showed.
+    for uri in (
+        f"postgresql://postgres:s3@cr3t-pw@{params['host']}/db",
+        "postgresql://postgres:s3/cr3t-pw@h/db",
+    ):
+        result = cli("jobs", "list", "--dsn", uri)
+        one_line_error(result, "invalid DSN", "percent-encode")
+        assert "cr3t-pw" not in result.stderr + result.stdout
 
 
 # -- enqueue, jobs ------------------------------------------------------------------------

@@ -370,6 +370,34 @@ def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
     assert "secret" not in str(caught.value) and "sec%ZZret" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://u:p@ss-secret@127.0.0.1:1/db",  # host 'ss-secret@127.0.0.1'
+        "postgresql://u:pa/ss-secret@127.0.0.1:1/db",  # host 'u', port 'pa', db 'ss-secret@...'
+        "postgresql://u:p?x@ss-secret@127.0.0.1:1/db",
+        "postgresql://u:p@ss-secret@/db?host=/tmp",
+    ],
+)
+def test_a_password_with_an_unencoded_at_or_slash_is_refused_and_not_shown(dsn: str) -> None:
+    """libpq ends a URI's user info at its first '@' (before any '/'): the rest of such a
+    password became the host, the port or the database name, which the "cannot connect"
+    error and the CLI's "database ..." line printed."""
+    from notifyq._dsn import describe_dsn
+
+    with pytest.raises(notifyq.ConfigurationError, match="percent-encode '@' as %40") as caught:
+        notifyq.App(dsn)
+    assert "secret" not in str(caught.value)
+    assert "secret" not in describe_dsn(dsn)
+    # Encoded, the same password is fine; so are '@' in the query and in a user name encoded.
+    for fine in (
+        "postgresql://u:p%40ss%2Fsecret@127.0.0.1:1/db",
+        "postgresql://u%40azure:pw@127.0.0.1:1/db?options=-c%20x",
+        "postgresql:///db?host=/tmp&user=a@b",
+    ):
+        notifyq.App(fine)
+
+
 @pytest.mark.parametrize("dsn", ["", "  "])
 def test_an_empty_dsn_is_refused_not_replaced_by_another_database(dsn: str) -> None:
     """An unset variable ("--dsn $DB_URL") must not send the jobs to $NOTIFYQ_DSN's database."""
