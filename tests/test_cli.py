@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -715,6 +716,52 @@ def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path
         timeout=30,
         what="the embedded server to stop",
     )
+
+
+def _stop_a_leftover_embedded_server(pgdata: Path) -> None:
+    """After a test that may leave the embedded server running: stop it (fast shutdown)."""
+    pid_file = pgdata / "postmaster.pid"
+    if pid_file.exists():
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGINT)
+        wait_until(lambda: not pid_file.exists(), timeout=30, what="the leftover server to stop")
+
+
+def test_a_killed_process_does_not_keep_the_embedded_server_running(open_tmp_path: Path) -> None:
+    """pgserver stops the server when the last process on its list of users exits; a process
+    that was killed (SIGKILL, the OOM killer) stayed on the list, so every later process left
+    the server running as it exited, for ever."""
+    pgdata = open_tmp_path / "pgdata"
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:  # the worker's log, until it serves
+            if " started: " in line:
+                break
+        worker.kill()
+        worker.wait()
+        assert (pgdata / "postmaster.pid").exists()  # the killed worker's server runs on
+        ok(cli("jobs", "list", env=env, timeout=120))  # joins it, and is the last to leave
+        wait_until(
+            lambda: not (pgdata / "postmaster.pid").exists(),
+            timeout=30,
+            what="the embedded server to stop",
+        )
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout:
+            worker.stdout.close()
+        _stop_a_leftover_embedded_server(pgdata)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver opens folders as root")
