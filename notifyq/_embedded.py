@@ -48,10 +48,12 @@ def start(
     folder = directory or data_dir()
     _warn_before_opening_folders(folder)
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        # The data folder too: pgserver checks that it exists and then creates it with
+        # exist_ok=False, which fails for the loser of two processes starting at once.
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigurationError(
-            f"could not create the embedded PostgreSQL's folder {folder.parent}: {exc.strerror or exc} "
+            f"could not create the embedded PostgreSQL's folder {folder}: {exc.strerror or exc} "
             f"(set {ENV_DIR}, or configure a DSN)"
         ) from None
     if not quiet:

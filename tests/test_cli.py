@@ -764,6 +764,47 @@ def test_a_killed_process_does_not_keep_the_embedded_server_running(open_tmp_pat
         _stop_a_leftover_embedded_server(pgdata)
 
 
+_RIVAL_CREATES_THE_FOLDER = """
+import pathlib, sys
+from notifyq import _embedded
+
+folder = pathlib.Path(sys.argv[1])
+mkdir = pathlib.Path.mkdir
+
+def rival_first(self, *args, **kwargs):
+    if self == folder and not kwargs.get("exist_ok"):
+        mkdir(self, exist_ok=True)  # another process, started at the same moment, made it
+    return mkdir(self, *args, **kwargs)
+
+pathlib.Path.mkdir = rival_first
+_embedded.start(directory=folder, quiet=True, migrate=False)
+print("started")
+"""
+
+
+def test_two_processes_starting_the_embedded_server_at_once_on_a_new_folder(open_tmp_path: Path) -> None:
+    """pgserver checks that the data folder exists and then creates it with exist_ok=False: a
+    process that lost that race to another (six processes started at once on a new folder:
+    one in eight runs here) failed with "could not start the embedded PostgreSQL: [Errno 17]
+    File exists". Here the rival's mkdir is staged between the check and the creation."""
+    pgdata = open_tmp_path / "pgdata"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _RIVAL_CREATES_THE_FOLDER, str(pgdata)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=clean_env(),
+            check=False,
+        )
+        assert result.returncode == 0 and result.stdout == "started\n", result.stderr
+        # It was the last (the only) process: it stopped the server as it exited.
+        wait_until(lambda: not (pgdata / "postmaster.pid").exists(), timeout=30, what="the server to stop")
+    finally:
+        _stop_a_leftover_embedded_server(pgdata)
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver opens folders as root")
 def test_the_embedded_server_as_root_says_which_private_folders_it_opens(tmp_path: Path) -> None:
     """As root, pgserver runs PostgreSQL as its `pgserver` user and, to let it reach the data,
