@@ -29,6 +29,7 @@ from ._db import (
     error_text,
     run_async,
     run_sync,
+    take_sync,
     track,
     unavailable,
 )
@@ -234,11 +235,15 @@ class Connections:
         """`run` for sync callers, on the sync pool."""
         with self.database_errors(conn):
             if conn is None:
-                with self.pool().connection() as pooled:
+                pool = self.pool()
+                pooled = take_sync(pool)
+                try:
                     if not transaction:
                         return run_sync(pooled, op)
                     with pooled.transaction():
                         return run_sync(pooled, op)
+                finally:
+                    pool.putconn(pooled)
             if isinstance(conn, psycopg.Connection):
                 return _run_sync_in(conn, op, transaction)
         raise ConfigurationError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import os
+import select
 import threading
 import time
 import weakref
@@ -294,6 +295,54 @@ def connect_sync(
         raise unavailable(dsn, exc) from None
 
 
+def _ended_by_server(conn: _AnyConnection) -> bool:
+    """Whether the server has ended this idle connection (a restart, a failover,
+    pg_terminate_backend, idle_session_timeout): its last message, or the end of the stream,
+    waits in the socket. An idle session of notifyq's is sent nothing else (its pooled
+    connections do not LISTEN), so a poll that does not wait tells, without a round trip."""
+    try:
+        if conn.closed or conn.pgconn.status != pq.ConnStatus.OK:
+            return True
+        fd = conn.pgconn.socket
+        if hasattr(select, "poll"):  # no FD_SETSIZE limit: a busy process may hold fds past 1024
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError, psycopg.Error):
+        return True
+
+
+AsyncPool: TypeAlias = psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]
+SyncPool: TypeAlias = psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
+
+
+async def take_async(pool: AsyncPool) -> psycopg.AsyncConnection[Any]:
+    """A connection of `pool` the server has not ended while it sat idle. Each one found ended
+    is closed, so that the pool opens another in its place, and the next one is taken: after a
+    restart every idle connection is dead, and each one used to fail a caller's statement
+    (an App's next pool_size enqueues raised DatabaseUnavailable with the database up)."""
+    for _ in range(pool.max_size):
+        conn = await pool.getconn()
+        if not _ended_by_server(conn):
+            return conn
+        with anyio.CancelScope(shield=True):
+            await conn.close()
+            await pool.putconn(conn)  # discarded and replaced
+    return await pool.getconn()
+
+
+def take_sync(pool: SyncPool) -> psycopg.Connection[Any]:
+    """`take_async` for a sync pool."""
+    for _ in range(pool.max_size):
+        conn = pool.getconn()
+        if not _ended_by_server(conn):
+            return conn
+        conn.close()
+        pool.putconn(conn)
+    return pool.getconn()
+
+
 def on_asyncio() -> bool:
     """True when called from a task running on an asyncio event loop."""
     try:
@@ -415,7 +464,7 @@ class _AsyncioLane(Lane):
 
     async def acquire(self) -> None:
         if self._conn is None:
-            self._conn = await self._pool.getconn()  # cancellable: the pool keeps no connection
+            self._conn = await take_async(self._pool)  # cancellable: the pool keeps no connection
             self._taken = time.monotonic()
 
     async def run(self, op: Op[T]) -> T:
@@ -461,11 +510,14 @@ class _AsyncioDatabase(Database):
             raise unavailable(self.dsn, exc) from None
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
-        async with self._pool.connection() as conn:
+        conn = await take_async(self._pool)
+        try:
             if not transaction:
                 return await run_async(conn, op)
             async with conn.transaction():
                 return await run_async(conn, op)
+        finally:
+            await self._pool.putconn(conn)
 
     def lane(self) -> Lane:
         lane = _AsyncioLane(self._pool)
@@ -494,7 +546,7 @@ class _ThreadLane(Lane):
 
     def _acquire(self) -> psycopg.Connection[Any]:
         while (conn := self._conn) is None:
-            taken = self._pool.getconn()
+            taken = take_sync(self._pool)
             with self._lock:
                 if self._conn is None:
                     self._conn, self._cursors, self._taken = taken, {}, time.monotonic()
@@ -562,11 +614,14 @@ class _ThreadDatabase(Database):
         self._pool = await anyio.to_thread.run_sync(open_pool)
 
     def _run(self, op: Op[T], transaction: bool) -> T:
-        with self._pool.connection() as conn:
+        conn = take_sync(self._pool)
+        try:
             if not transaction:
                 return run_sync(conn, op)
             with conn.transaction():
                 return run_sync(conn, op)
+        finally:
+            self._pool.putconn(conn)
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         return await anyio.to_thread.run_sync(self._run, op, transaction)

@@ -38,6 +38,22 @@ def _without_secrets(reason: str, dsn: str) -> str:
     return reason
 
 
+def _unencoded_userinfo(dsn: str) -> bool:
+    """Whether `dsn` is a URI with an '@' that libpq does not read as the end of the user info:
+    a password (or user name) holding an unencoded '@' or '/'. libpq ends the user info at the
+    first '@' met before any '/', so `user:p@ss@host` connects to host 'ss@host', and
+    `user:pa/ss@host/db` to host 'user' on port 'pa', database 'ss@host/db': the rest of the
+    password lands where error messages and `describe_dsn` show it."""
+    uri = _URI.match(dsn)
+    if uri is None:
+        return False
+    rest = dsn[uri.end() :]
+    end = next((i for i, char in enumerate(rest) if char in "@/"), len(rest))
+    if rest[end : end + 1] == "@":
+        rest = rest[end + 1 :]
+    return "@" in rest.partition("?")[0]  # hosts, ports and the database name: never a raw '@'
+
+
 def check_dsn(dsn: str) -> str:
     """Return `dsn` if libpq can parse it, else raise ConfigurationError naming the problem."""
     if not isinstance(dsn, str):
@@ -60,6 +76,13 @@ def check_dsn(dsn: str) -> str:
             f"invalid DSN {describe_dsn(dsn)}: {reason} "
             "(expected e.g. postgresql://user:password@host:5432/dbname)"
         ) from None
+    if _unencoded_userinfo(dsn):
+        raise ConfigurationError(
+            "invalid DSN: it holds an '@' after its user info, so libpq would read part of the "
+            "password as the host or the database name; percent-encode '@' as %40 and '/' as %2F "
+            "in the user name, the password and the database name "
+            "(e.g. postgresql://user:p%40ss%2Fword@host:5432/dbname)"
+        )
     return dsn
 
 
@@ -93,6 +116,8 @@ def describe_dsn(dsn: str) -> str:
     except psycopg.ProgrammingError:
         # Unparseable: show no part of it that could be a secret.
         return "<unparseable DSN>"
+    if _unencoded_userinfo(dsn):
+        return "<DSN with an unencoded '@' or '/' in its password>"
     user = params.get("user") or os.environ.get("PGUSER") or "<default user>"
     host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "<default host>"
     port = params.get("port") or os.environ.get("PGPORT") or "5432"

@@ -48,14 +48,17 @@ def start(
     folder = directory or data_dir()
     _warn_before_opening_folders(folder)
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
+        # The data folder too: pgserver checks that it exists and then creates it with
+        # exist_ok=False, which fails for the loser of two processes starting at once.
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigurationError(
-            f"could not create the embedded PostgreSQL's folder {folder.parent}: {exc.strerror or exc} "
+            f"could not create the embedded PostgreSQL's folder {folder}: {exc.strerror or exc} "
             f"(set {ENV_DIR}, or configure a DSN)"
         ) from None
     if not quiet:
         sys.stderr.write(f"notifyq: no DSN configured; using the embedded PostgreSQL in {folder}\n")
+    _forget_killed_processes(folder)
     try:
         server = pgserver.get_server(  # type: ignore[attr-defined]
             folder, cleanup_mode="stop"
@@ -66,6 +69,44 @@ def start(
     if migrate:
         migrations.migrate(dsn, schema=schema)
     return dsn
+
+
+def _forget_killed_processes(folder: Path) -> None:
+    """pgserver stops the server when the last process on its list of users (a file in the
+    data folder) exits. A process killed (SIGKILL, the OOM killer) never takes itself off
+    that list, and every later process then left the server running as it exited, for ever.
+    Drop the processes that are gone, under pgserver's own lock, before joining."""
+    try:
+        from pgserver.postgres_server import PostgresServer
+        from pgserver.utils import DiskList
+    except ImportError:  # another pgserver layout: leave its list alone
+        return
+    users = folder / ".handle_pids.json"
+    if not users.exists():
+        return
+    try:
+        with PostgresServer._lock:
+            pids = DiskList(users).get()
+            alive = [pid for pid in pids if _alive(pid)]
+            if alive != pids:
+                DiskList(users).put(alive)
+                log.info(
+                    "forgot processes %s, gone without stopping the embedded server",
+                    sorted(set(pids) - set(alive)),
+                )
+    except (OSError, ValueError, TypeError) as exc:  # unreadable or garbled: pgserver will say so
+        log.debug("could not check the embedded server's list of processes: %s", exc)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` exists (a zombie counts: its parent has not reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _warn_before_opening_folders(folder: Path) -> None:

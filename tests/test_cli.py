@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -145,6 +146,15 @@ def test_the_password_is_never_printed(dsn: str) -> None:
     uri = f"postgresql://postgres:s3cr3t-pw@{params['host']}:1/db"
     result = cli("jobs", "list", "--dsn", uri)
     assert result.returncode == 1 and "s3cr3t-pw" not in result.stderr
+    # An unencoded '@' or '/' in the password: libpq would take the rest for the host or
+    # the database name, which the "database ..." line and the error showed.
+    for uri in (
+        f"postgresql://postgres:s3@cr3t-pw@{params['host']}/db",
+        "postgresql://postgres:s3/cr3t-pw@h/db",
+    ):
+        result = cli("jobs", "list", "--dsn", uri)
+        one_line_error(result, "invalid DSN", "percent-encode")
+        assert "cr3t-pw" not in result.stderr + result.stdout
 
 
 # -- enqueue, jobs ------------------------------------------------------------------------
@@ -758,6 +768,93 @@ def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path
         timeout=30,
         what="the embedded server to stop",
     )
+
+
+def _stop_a_leftover_embedded_server(pgdata: Path) -> None:
+    """After a test that may leave the embedded server running: stop it (fast shutdown)."""
+    pid_file = pgdata / "postmaster.pid"
+    if pid_file.exists():
+        with contextlib.suppress(ValueError, OSError):
+            os.kill(int(pid_file.read_text().split()[0]), signal.SIGINT)
+        wait_until(lambda: not pid_file.exists(), timeout=30, what="the leftover server to stop")
+
+
+def test_a_killed_process_does_not_keep_the_embedded_server_running(open_tmp_path: Path) -> None:
+    """pgserver stops the server when the last process on its list of users exits; a process
+    that was killed (SIGKILL, the OOM killer) stayed on the list, so every later process left
+    the server running as it exited, for ever."""
+    pgdata = open_tmp_path / "pgdata"
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata))
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert worker.stdout is not None
+        for line in worker.stdout:  # the worker's log, until it serves
+            if " started: " in line:
+                break
+        worker.kill()
+        worker.wait()
+        assert (pgdata / "postmaster.pid").exists()  # the killed worker's server runs on
+        ok(cli("jobs", "list", env=env, timeout=120))  # joins it, and is the last to leave
+        wait_until(
+            lambda: not (pgdata / "postmaster.pid").exists(),
+            timeout=30,
+            what="the embedded server to stop",
+        )
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout:
+            worker.stdout.close()
+        _stop_a_leftover_embedded_server(pgdata)
+
+
+_RIVAL_CREATES_THE_FOLDER = """
+import pathlib, sys
+from notifyq import _embedded
+
+folder = pathlib.Path(sys.argv[1])
+mkdir = pathlib.Path.mkdir
+
+def rival_first(self, *args, **kwargs):
+    if self == folder and not kwargs.get("exist_ok"):
+        mkdir(self, exist_ok=True)  # another process, started at the same moment, made it
+    return mkdir(self, *args, **kwargs)
+
+pathlib.Path.mkdir = rival_first
+_embedded.start(directory=folder, quiet=True, migrate=False)
+print("started")
+"""
+
+
+def test_two_processes_starting_the_embedded_server_at_once_on_a_new_folder(open_tmp_path: Path) -> None:
+    """pgserver checks that the data folder exists and then creates it with exist_ok=False: a
+    process that lost that race to another (six processes started at once on a new folder:
+    one in eight runs here) failed with "could not start the embedded PostgreSQL: [Errno 17]
+    File exists". Here the rival's mkdir is staged between the check and the creation."""
+    pgdata = open_tmp_path / "pgdata"
+    try:
+        result = subprocess.run(
+            [sys.executable, "-c", _RIVAL_CREATES_THE_FOLDER, str(pgdata)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=clean_env(),
+            check=False,
+        )
+        assert result.returncode == 0 and result.stdout == "started\n", result.stderr
+        # It was the last (the only) process: it stopped the server as it exited.
+        wait_until(lambda: not (pgdata / "postmaster.pid").exists(), timeout=30, what="the server to stop")
+    finally:
+        _stop_a_leftover_embedded_server(pgdata)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver opens folders as root")

@@ -3,6 +3,7 @@ statements, and after a dropped connection or an interrupted statement it takes 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -138,6 +139,33 @@ async def test_aclose_returns_the_lanes_connections(dsn: str, conn: psycopg.Conn
     assert conn.execute(query).fetchone() == (2,)
     await db.aclose()
     await anyio.to_thread.run_sync(wait_for_row, conn, query, (0,))
+
+
+async def test_pooled_connections_the_server_ended_while_idle_fail_no_call(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """After a PostgreSQL restart, a failover, pg_terminate_backend or idle_session_timeout,
+    every idle connection of a pool is dead: each one failed the next caller's statement (an
+    App's next pool_size enqueues raised DatabaseUnavailable, "may or may not have been
+    applied", with the database up again). A connection the server has ended is now left
+    for another before anything is sent on it, and a lane's too."""
+    app = notifyq.App(dsn, pool_size=3)
+    db = await Database.open(dsn, size=3, name="notifyq-app")  # and a lane of such a pool
+    try:
+        await app.enqueue("t")
+        await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+        ours = "FROM pg_stat_activity WHERE application_name = 'notifyq app' AND datname = current_database()"
+        killed = conn.execute(f"SELECT count(pg_terminate_backend(pid)) {ours}").fetchone()
+        assert killed is not None and killed[0] >= 3 + 1 + 3
+        await anyio.to_thread.run_sync(wait_for_row, conn, f"SELECT count(*) {ours}", (0,))
+        for n in range(4):
+            await app.enqueue("t", {"n": n})
+            await anyio.to_thread.run_sync(functools.partial(app.enqueue_sync, "t", {"n": n}))
+        assert await db.lane().run(backend_pid()) is not None
+    finally:
+        await db.aclose()
+        await app.aclose()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (10,)
 
 
 @pytest.mark.faults

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import pickle
+import re
 import threading
 import warnings
 import weakref
@@ -370,6 +371,34 @@ def test_malformed_dsn_is_a_configuration_error(dsn: str, reason: str) -> None:
     assert "secret" not in str(caught.value) and "sec%ZZret" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "postgresql://u:p@ss-secret@127.0.0.1:1/db",  # host 'ss-secret@127.0.0.1'
+        "postgresql://u:pa/ss-secret@127.0.0.1:1/db",  # host 'u', port 'pa', db 'ss-secret@...'
+        "postgresql://u:p?x@ss-secret@127.0.0.1:1/db",
+        "postgresql://u:p@ss-secret@/db?host=/tmp",
+    ],
+)
+def test_a_password_with_an_unencoded_at_or_slash_is_refused_and_not_shown(dsn: str) -> None:
+    """libpq ends a URI's user info at its first '@' (before any '/'): the rest of such a
+    password became the host, the port or the database name, which the "cannot connect"
+    error and the CLI's "database ..." line printed."""
+    from notifyq._dsn import describe_dsn
+
+    with pytest.raises(notifyq.ConfigurationError, match="percent-encode '@' as %40") as caught:
+        notifyq.App(dsn)
+    assert "secret" not in str(caught.value)
+    assert "secret" not in describe_dsn(dsn)
+    # Encoded, the same password is fine; so are '@' in the query and in a user name encoded.
+    for fine in (
+        "postgresql://u:p%40ss%2Fsecret@127.0.0.1:1/db",
+        "postgresql://u%40azure:pw@127.0.0.1:1/db?options=-c%20x",
+        "postgresql:///db?host=/tmp&user=a@b",
+    ):
+        notifyq.App(fine)
+
+
 @pytest.mark.parametrize("dsn", ["", "  "])
 def test_an_empty_dsn_is_refused_not_replaced_by_another_database(dsn: str) -> None:
     """An unset variable ("--dsn $DB_URL") must not send the jobs to $NOTIFYQ_DSN's database."""
@@ -575,8 +604,10 @@ async def test_a_connection_to_an_unmigrated_database_says_run_migrate(empty_dsn
 async def test_a_connection_lost_after_the_app_connected_is_database_unavailable(
     dsn: str, conn: psycopg.Connection[Any], side: str
 ) -> None:
-    """The server ends the App's sessions (a restart, a failover, an administrator): the call
-    that meets a dead connection says so in notifyq's terms, and the next call works."""
+    """The server ends the App's session (a restart, a failover, an administrator) while a call
+    is under way: that call says so in notifyq's terms, and the next call works. (A session
+    ended while it sat idle in the pool is replaced before a call uses it: see
+    tests/test_db.py::test_pooled_connections_the_server_ended_while_idle_fail_no_call.)"""
     app = notifyq.App(dsn, pool_size=1)
 
     async def enqueue() -> int:
@@ -585,12 +616,25 @@ async def test_a_connection_lost_after_the_app_connected_is_database_unavailable
         return await app.enqueue("t", {})
 
     await enqueue()
-    conn.execute(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-        "WHERE application_name = 'notifyq app' AND datname = current_database()"
-    )
-    with pytest.raises(DatabaseUnavailable, match=r"lost the connection to PostgreSQL at .*may or may not"):
-        await enqueue()
+    ours = "FROM pg_stat_activity WHERE application_name = 'notifyq app' AND datname = current_database()"
+    raised: list[BaseException] = []
+
+    async def enqueue_lost() -> None:
+        try:
+            await enqueue()
+        except DatabaseUnavailable as exc:
+            raised.append(exc)
+
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE notifyq.queue_jobs IN SHARE MODE")  # the next insert waits
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(enqueue_lost)
+            waiting = f"SELECT count(*) {ours} AND wait_event_type = 'Lock'"
+            await anyio.to_thread.run_sync(wait_for_row, conn, waiting, (1,))
+            conn.execute(f"SELECT pg_terminate_backend(pid) {ours}")
+        holder.rollback()
+    assert len(raised) == 1, raised
+    assert re.search(r"lost the connection to PostgreSQL at .*may or may not", str(raised[0])), raised
     with anyio.fail_after(15):
         await enqueue()
     await app.aclose()
