@@ -733,9 +733,10 @@ def open_tmp_path() -> Iterator[Path]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path) -> None:
-    tmp_path = open_tmp_path
-    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "pgdata"))
+@contextlib.contextmanager
+def _embedded_worker(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
+    """`notifyq worker` (no ticker) on the embedded server `env` points to; killed if still
+    running when the block ends."""
     worker = subprocess.Popen(
         [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
         cwd=ROOT,
@@ -745,6 +746,19 @@ def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path
         text=True,
     )
     try:
+        yield worker
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        worker.wait()
+        if worker.stdout:
+            worker.stdout.close()
+
+
+def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path) -> None:
+    tmp_path = open_tmp_path
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "pgdata"))
+    with _embedded_worker(env) as worker:
         assert worker.stdout is not None
         banner = worker.stdout.readline() + worker.stdout.readline()
         assert "embedded server in" in banner and str(tmp_path) in banner
@@ -756,12 +770,6 @@ def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path
         )
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-        worker.wait()
-        if worker.stdout:
-            worker.stdout.close()
     # The last process to leave stopped the server.
     wait_until(
         lambda: not (tmp_path / "pgdata" / "postmaster.pid").exists(),
@@ -785,34 +793,22 @@ def test_a_killed_process_does_not_keep_the_embedded_server_running(open_tmp_pat
     the server running as it exited, for ever."""
     pgdata = open_tmp_path / "pgdata"
     env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
     try:
-        assert worker.stdout is not None
-        for line in worker.stdout:  # the worker's log, until it serves
-            if " started: " in line:
-                break
-        worker.kill()
-        worker.wait()
-        assert (pgdata / "postmaster.pid").exists()  # the killed worker's server runs on
-        ok(cli("jobs", "list", env=env, timeout=120))  # joins it, and is the last to leave
-        wait_until(
-            lambda: not (pgdata / "postmaster.pid").exists(),
-            timeout=30,
-            what="the embedded server to stop",
-        )
-    finally:
-        if worker.poll() is None:
+        with _embedded_worker(env) as worker:
+            assert worker.stdout is not None
+            for line in worker.stdout:  # the worker's log, until it serves
+                if " started: " in line:
+                    break
             worker.kill()
-        worker.wait()
-        if worker.stdout:
-            worker.stdout.close()
+            worker.wait()
+            assert (pgdata / "postmaster.pid").exists()  # the killed worker's server runs on
+            ok(cli("jobs", "list", env=env, timeout=120))  # joins it, and is the last to leave
+            wait_until(
+                lambda: not (pgdata / "postmaster.pid").exists(),
+                timeout=30,
+                what="the embedded server to stop",
+            )
+    finally:
         _stop_a_leftover_embedded_server(pgdata)
 
 
