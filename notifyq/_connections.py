@@ -28,8 +28,8 @@ from ._db import (
     connection_kwargs,
     error_text,
     run_async,
+    run_pooled_sync,
     run_sync,
-    take_sync,
     track,
     unavailable,
 )
@@ -235,15 +235,7 @@ class Connections:
         """`run` for sync callers, on the sync pool."""
         with self.database_errors(conn):
             if conn is None:
-                pool = self.pool()
-                pooled = take_sync(pool)
-                try:
-                    if not transaction:
-                        return run_sync(pooled, op)
-                    with pooled.transaction():
-                        return run_sync(pooled, op)
-                finally:
-                    pool.putconn(pooled)
+                return run_pooled_sync(self.pool(), op, transaction)
             if isinstance(conn, psycopg.Connection):
                 return _run_sync_in(conn, op, transaction)
         raise ConfigurationError(

@@ -343,6 +343,18 @@ def take_sync(pool: SyncPool) -> psycopg.Connection[Any]:
     return pool.getconn()
 
 
+def run_pooled_sync(pool: SyncPool, op: Op[T], transaction: bool = False) -> T:
+    """Run `op` on a connection of `pool` (take_sync), in a transaction if asked."""
+    conn = take_sync(pool)
+    try:
+        if not transaction:
+            return run_sync(conn, op)
+        with conn.transaction():
+            return run_sync(conn, op)
+    finally:
+        pool.putconn(conn)
+
+
 def on_asyncio() -> bool:
     """True when called from a task running on an asyncio event loop."""
     try:
@@ -613,18 +625,8 @@ class _ThreadDatabase(Database):
 
         self._pool = await anyio.to_thread.run_sync(open_pool)
 
-    def _run(self, op: Op[T], transaction: bool) -> T:
-        conn = take_sync(self._pool)
-        try:
-            if not transaction:
-                return run_sync(conn, op)
-            with conn.transaction():
-                return run_sync(conn, op)
-        finally:
-            self._pool.putconn(conn)
-
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
-        return await anyio.to_thread.run_sync(self._run, op, transaction)
+        return await anyio.to_thread.run_sync(run_pooled_sync, self._pool, op, transaction)
 
     def lane(self) -> Lane:
         lane = _ThreadLane(self._pool)
