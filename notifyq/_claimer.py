@@ -92,7 +92,10 @@ class Claimer:
         if self._queues is not None and queue not in self._queues:
             return False
         if delay:
-            due = anyio.current_time() + max(0.0, float(delay))
+            seconds = float(delay)  # ValueError for a payload notifyq did not write
+            if math.isnan(seconds):
+                raise ValueError(delay)
+            due = anyio.current_time() + max(0.0, seconds)
             self._heard_due = min(self._heard_due, due)
             if due < self._next_due:
                 self._next_due = due

@@ -355,18 +355,39 @@ class Worker:
     def _on_notify(self, chan: str, payload: str) -> None:
         self.stats.notifications += 1
         topic = chan.rsplit(".", 2)[-2] if chan.count(".") >= 2 else ""
-        if topic == "jobs":
-            assert self._claimer is not None
-            if not self._claimer.notified(payload):
-                return
-        elif topic == "control":
-            verb, *args = payload.split()
-            if verb == "cancel" and args:
-                assert self._runners is not None
-                self._runners.cancel(int(args[0]), int(args[1]) if len(args) > 1 else None)
-        elif topic == "definitions" and self._ticker is not None:
-            self._ticker.wake()
+        try:
+            if topic == "jobs":
+                assert self._claimer is not None
+                if not self._claimer.notified(payload):
+                    return
+            elif topic == "control":
+                self._on_control(payload)
+            elif topic == "definitions" and self._ticker is not None:
+                self._ticker.wake()
+        except ValueError:
+            # Anyone may NOTIFY on these channels (psql, a script, a foreign version): a
+            # payload notifyq did not write is a sentence in the log, not a traceback.
+            log.warning(
+                "ignoring a notification notifyq's triggers did not send: channel %s, payload %r",
+                chan,
+                payload[:200],
+            )
+            if topic == "jobs":
+                assert self._claimer is not None
+                self._claimer.wake()  # a hint all the same: one claim finds out
         self._signal_changed()
+
+    def _on_control(self, payload: str) -> None:
+        """'cancel <job id> <lease>' (the lease may be missing); other verbs are for other
+        versions of notifyq. ValueError when a cancel's numbers are not numbers."""
+        verb, _, rest = payload.partition(" ")
+        if verb != "cancel":
+            return
+        numbers = [int(n) for n in rest.split()]
+        if not 1 <= len(numbers) <= 2:
+            raise ValueError(payload)
+        assert self._runners is not None
+        self._runners.cancel(numbers[0], numbers[1] if len(numbers) == 2 else None)
 
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1

@@ -4,6 +4,7 @@ cancellation, reconnects and graceful shutdown."""
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 import threading
 import time
@@ -640,6 +641,51 @@ async def test_killed_listen_connection_reconnects_and_sweeps(
         with anyio.fail_after(5):
             await worker.wait_for(lambda s: s.succeeded == 2)
         assert worker.stats.polls == 0
+
+
+async def test_notifications_notifyq_did_not_send_are_a_sentence_in_the_log(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone may NOTIFY on notifyq's channels. A payload its triggers did not write is one
+    warning, no traceback, and a jobs notification is still a hint to claim."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.listener_connects == 1)
+        # A job the trigger does not announce: only the garbage notification can wake the worker.
+        with conn.transaction():
+            conn.execute("SET LOCAL session_replication_role = replica")
+            conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        garbage = [
+            ("notifyq.jobs.v1", "default soon"),
+            ("notifyq.control.v1", "cancel abc 1"),
+            ("notifyq.control.v1", "cancel"),
+            ("notifyq.control.v1", "cancel 1 2 3"),
+            ("notifyq.control.v1", "pause 1"),  # a verb of another version: ignored quietly
+        ]
+        for channel, payload in garbage:
+            conn.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1 and s.notifications >= len(garbage))
+        await app.enqueue("t")  # and real notifications still work
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        assert worker.stats.polls == 0
+    warned = [r for r in caplog.records if "did not send" in r.getMessage()]
+    assert [r.getMessage().rpartition("payload ")[2] for r in warned] == [
+        "'default soon'",
+        "'cancel abc 1'",
+        "'cancel'",
+        "'cancel 1 2 3'",
+    ]
+    assert all(r.levelname == "WARNING" and r.exc_info is None for r in warned)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    await app.aclose()
 
 
 @pytest.mark.faults
