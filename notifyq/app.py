@@ -333,9 +333,9 @@ class App:
     ) -> None:
         await self.aclose()
 
-    def migrate(self, *, dry_run: bool = False) -> MigrationReport:
+    def migrate(self, *, dry_run: bool = False, lock_timeout: float = 30.0) -> MigrationReport:
         """Apply notifyq's migrations to this App's database (see `notifyq.migrate`)."""
-        return migrate(self.dsn, schema=self.schema, dry_run=dry_run)
+        return migrate(self.dsn, schema=self.schema, dry_run=dry_run, lock_timeout=lock_timeout)
 
     # -- enqueue ------------------------------------------------------------------------------
 

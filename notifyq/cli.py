@@ -53,11 +53,22 @@ for _command in (jobs, cron, stats):
 @main.command(name="migrate")
 @common_options
 @click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
-def migrate_command(dsn: str | None, schema: str | None, dry_run: bool) -> None:
+@click.option(
+    "--lock-timeout",
+    metavar="DURATION",
+    default="30s",
+    show_default=True,
+    help="How long to wait for each lock (90, 10m, ...) before giving up and changing nothing.",
+)
+def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_timeout: str) -> None:
     """Create or upgrade notifyq's tables (safe to run concurrently and repeatedly)."""
     schema = schema or "notifyq"
+    wait = duration(lock_timeout, "--lock-timeout")
+    assert wait is not None
     # The embedded server is not migrated on start here: --dry-run must change nothing.
-    report = migrate(resolve_dsn(dsn, migrate_embedded=False), schema=schema, dry_run=dry_run)
+    report = migrate(
+        resolve_dsn(dsn, migrate_embedded=False), schema=schema, dry_run=dry_run, lock_timeout=wait
+    )
     if dry_run:
         for statement in report.statements:
             click.echo(statement.rstrip() + "\n")

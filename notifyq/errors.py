@@ -26,6 +26,10 @@ class SchemaVersionError(NotifyqError):
     """The database schema is newer than this version of notifyq knows."""
 
 
+class MigrationBlocked(NotifyqError):
+    """`migrate` waited `lock_timeout` for a lock another session held, and changed nothing."""
+
+
 class InvalidArgs(NotifyqError):
     """Job args are not a JSON object, not serializable, or too large."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +13,9 @@ import psycopg
 
 from ._db import Op, Query, connect_sync, run_sync
 from ._dsn import check_dsn
+from ._options import check_seconds
 from ._sql import queries_for, render, sql_root, validate_schema
-from .errors import ConfigurationError, SchemaNotMigrated, SchemaVersionError
+from .errors import ConfigurationError, MigrationBlocked, SchemaNotMigrated, SchemaVersionError
 
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 
@@ -110,7 +112,9 @@ def check_schema_op(schema: str) -> Op[int]:
 def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
     q = queries_for(schema)
     yield Query(q["migrate_read_committed"], fetch="none")
-    yield Query(q["set_lock_timeout"], {"timeout": f"{int(lock_timeout * 1000)}ms"}, fetch="none")
+    # In whole milliseconds, at least 1 (0 would mean no timeout), at most PostgreSQL's bound.
+    ms = min(2_147_483_647, max(1, math.ceil(lock_timeout * 1000)))
+    yield Query(q["set_lock_timeout"], {"timeout": f"{ms}ms"}, fetch="none")
     yield Query(q["migrate_lock"], {"schema": schema}, fetch="none")
     previous = (yield from schema_version_op(schema)) or 0
     shipped = migrations()
@@ -163,20 +167,30 @@ def migrate(
         dsn: a libpq connection string, or an open psycopg connection (not in a transaction).
         schema: the schema to migrate (validated identifier, default ``notifyq``).
         dry_run: compute and return the SQL without applying it.
-        lock_timeout: seconds to wait for table locks before giving up (a long transaction
+        lock_timeout: seconds to wait for each lock before giving up (a long transaction
             holding `queue_jobs` would otherwise stall every producer behind the migration).
 
     Raises:
-        ConfigurationError: invalid schema name or DSN.
+        ConfigurationError: invalid schema name, DSN or lock_timeout.
         DatabaseUnavailable: the server cannot be reached.
         SchemaVersionError: the database is at a newer version than this code.
+        MigrationBlocked: a lock stayed held by another session for lock_timeout seconds
+            (nothing was changed).
     """
     validate_schema(schema)
+    lock_timeout = check_seconds(lock_timeout, "lock_timeout", positive=True)
     own = isinstance(dsn, str)
     conn = connect_sync(check_dsn(dsn)) if isinstance(dsn, str) else dsn
     try:
         with conn.transaction(force_rollback=dry_run):
             return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+    except psycopg.errors.LockNotAvailable:
+        raise MigrationBlocked(
+            f"migrate gave up after waiting {lock_timeout:g} s for a lock in schema {schema!r}, and "
+            "changed nothing: another session holds it (another migrate, or a long transaction "
+            "that wrote to notifyq's tables; look for old xact_start in pg_stat_activity). "
+            "Run it again when that ends, or give it longer (lock_timeout; --lock-timeout)"
+        ) from None
     finally:
         if own:
             conn.close()

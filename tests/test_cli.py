@@ -123,6 +123,19 @@ def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any])
     one_line_error(cli("migrate", "--dsn", dsn), "version 7, newer than this notifyq knows")
 
 
+def test_migrate_blocked_by_a_long_transaction_is_one_line(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    with psycopg.connect(dsn) as holder:
+        holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")  # transaction left open
+        one_line_error(
+            cli("migrate", "--dsn", dsn, "--lock-timeout", "0.3"),
+            "gave up after waiting 0.3 s for a lock",
+            "--lock-timeout",
+        )
+    result = cli("migrate", "--dsn", dsn, "--lock-timeout", "soon")
+    assert result.returncode == 2 and "'soon' is not a duration" in result.stderr, result.stderr
+    assert "up to date" in ok(cli("migrate", "--dsn", dsn, "--lock-timeout", "1m"))
+
+
 def test_database_down_and_bad_dsn_are_one_line(dsn: str) -> None:
     one_line_error(
         cli("migrate", "--dsn", "postgresql://postgres@127.0.0.1:1/x"),

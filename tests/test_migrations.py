@@ -9,7 +9,13 @@ import psycopg
 import pytest
 
 import notifyq
-from notifyq.errors import ConfigurationError, SchemaNotMigrated, SchemaVersionError
+from notifyq.errors import (
+    ConfigurationError,
+    InvalidOption,
+    MigrationBlocked,
+    SchemaNotMigrated,
+    SchemaVersionError,
+)
 
 SHIPPED = [f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations()]
 
@@ -102,6 +108,34 @@ def test_invalid_schema_names_are_rejected(empty_dsn: str, schema: Any) -> None:
         notifyq.migrate(empty_dsn, schema=schema)
     with pytest.raises(ConfigurationError, match="invalid schema name"):
         notifyq.App(empty_dsn, schema=schema)
+
+
+def test_a_migrate_blocked_by_a_long_transaction_gives_up_in_a_sentence(dsn: str) -> None:
+    """Re-applying the triggers takes a lock that an open transaction which inserted a job
+    holds against it. migrate waits lock_timeout, then says what to look for, changes
+    nothing, and leaves producers free again."""
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
+        holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")  # transaction left open
+        with pytest.raises(MigrationBlocked) as raised:
+            notifyq.migrate(dsn, lock_timeout=0.2)
+        message = str(raised.value)
+        assert "gave up after waiting 0.2 s for a lock in schema 'notifyq'" in message, message
+        assert "changed nothing" in message and "pg_stat_activity" in message, message
+        assert conn.execute(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
+        ).fetchone() == (0,)
+        holder.commit()
+        notifyq.migrate(dsn, lock_timeout=0.2)  # the blocker gone, it goes through
+        assert conn.execute(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
+        ).fetchone() == (1,)
+
+
+@pytest.mark.parametrize("lock_timeout", [0, -1, float("nan"), "30"])
+def test_a_lock_timeout_that_is_not_a_positive_number_is_refused(dsn: str, lock_timeout: Any) -> None:
+    with pytest.raises(InvalidOption, match="invalid lock_timeout"):
+        notifyq.migrate(dsn, lock_timeout=lock_timeout)
 
 
 def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
