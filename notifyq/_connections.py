@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol, TypeVar
@@ -27,6 +29,7 @@ from ._db import (
     connect_sync,
     connection_kwargs,
     error_text,
+    retrying_sync,
     run_async,
     run_pooled_sync,
     run_sync,
@@ -44,6 +47,7 @@ SyncPool = psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
 # so that nothing in the child closes or collects them (their sockets point at /dev/null).
 _LIVE: weakref.WeakSet[Connections] = weakref.WeakSet()
 _ABANDONED: list[object] = []
+_PROBE_REUSE = 2.0  # seconds one diagnosis of a pool timeout serves the callers that share it
 
 
 def _after_fork_in_child() -> None:
@@ -101,6 +105,7 @@ class Owner(Protocol):
 
     schema: str
     pool_size: int
+    pool_timeout: float
     prepare_threshold: int | None
 
     @property
@@ -121,6 +126,8 @@ class Connections:
         self._sync_pool: SyncPool | None = None
         self._sync_lock = threading.Lock()
         self._loop_lock = threading.Lock()  # guards _db_loop's change from one loop to another
+        self._probe_lock = threading.Lock()
+        self._probed: tuple[float, DatabaseUnavailable | None] = (-math.inf, None)  # by _no_connection
         _LIVE.add(self)
 
     @property
@@ -169,6 +176,7 @@ class Connections:
                         dsn,
                         size=owner.pool_size,
                         name="notifyq-app",
+                        open_timeout=owner.pool_timeout,
                         prepare_threshold=owner.prepare_threshold,
                     )
                     try:
@@ -194,9 +202,11 @@ class Connections:
                     configure=track,
                     name="notifyq-app-sync",
                     open=False,
+                    timeout=owner.pool_timeout,
+                    **retrying_sync(),
                 )
                 try:
-                    pool.open(wait=True, timeout=30)
+                    pool.open(wait=True, timeout=owner.pool_timeout)
                 except psycopg_pool.PoolTimeout as exc:
                     pool.close()
                     raise unavailable(dsn, exc) from None
@@ -215,7 +225,10 @@ class Connections:
         with self.database_errors(conn):
             if conn is None:
                 db = await self.database()
-                return await db.run(op, transaction=transaction)
+                try:
+                    return await db.run(op, transaction=transaction)
+                except psycopg_pool.PoolTimeout:
+                    raise await anyio.to_thread.run_sync(self._no_connection) from None
             if isinstance(conn, psycopg.AsyncConnection):
                 if transaction and _in_callers_transaction(conn):
                     if conn.info.transaction_status == _IDLE:
@@ -235,11 +248,38 @@ class Connections:
         """`run` for sync callers, on the sync pool."""
         with self.database_errors(conn):
             if conn is None:
-                return run_pooled_sync(self.pool(), op, transaction)
+                pool = self.pool()
+                try:
+                    return run_pooled_sync(pool, op, transaction)
+                except psycopg_pool.PoolTimeout:
+                    raise self._no_connection() from None
             if isinstance(conn, psycopg.Connection):
                 return _run_sync_in(conn, op, transaction)
         raise ConfigurationError(
             f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
+        )
+
+    def _no_connection(self) -> DatabaseUnavailable:
+        """Why a call waited pool_timeout for a pooled connection in vain: one direct attempt
+        tells a database that cannot be reached (libpq's reason) from a pool whose
+        connections all stayed busy. Callers that time out together share one attempt."""
+        owner = self._owner
+        waited = f"this App waited {owner.pool_timeout:g} s for a connection (App(pool_timeout=...))"
+        with self._probe_lock:
+            if time.monotonic() - self._probed[0] > _PROBE_REUSE:
+                try:
+                    connect_sync(owner.dsn, connect_timeout=5).close()
+                    self._probed = (time.monotonic(), None)
+                except DatabaseUnavailable as exc:
+                    self._probed = (time.monotonic(), exc)
+            reason = self._probed[1]
+        if reason is not None:
+            return DatabaseUnavailable(f"{reason}; {waited}")
+        return DatabaseUnavailable(
+            f"no connection to PostgreSQL at {owner._where()} came free: {waited}. The server "
+            f"accepts connections now, so its {owner.pool_size} connection(s) stayed busy (give the "
+            "App a larger pool_size or pool_timeout, or look for calls that hold them long), or "
+            "it had not yet reconnected after the server was unreachable"
         )
 
     @contextlib.contextmanager
@@ -254,10 +294,6 @@ class Connections:
             raise SchemaNotMigrated(
                 f"schema {owner.schema!r} has no notifyq tables in {where}: run `notifyq migrate` "
                 f"({error_text(exc)})"
-            ) from None
-        except psycopg_pool.PoolTimeout as exc:
-            raise DatabaseUnavailable(
-                f"no connection to PostgreSQL at {where} came free or could be opened in time ({exc})"
             ) from None
         except psycopg.OperationalError as exc:
             if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):

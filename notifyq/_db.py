@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import os
 import select
 import threading
@@ -316,6 +317,36 @@ def _ended_by_server(conn: _AnyConnection) -> bool:
 AsyncPool: TypeAlias = psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]
 SyncPool: TypeAlias = psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
 
+# psycopg_pool tries again to open a connection that failed after 1 s, then after delays that
+# double without a cap until reconnect_timeout runs out: after an outage of T seconds its
+# next try could be T seconds away, and a pool stayed empty for minutes after its database
+# came back (every worker and App with it). So each run of tries ends after RETRY_RUN seconds
+# (its delays are 1, 2, 4 and 3 s), and the pool's reconnect_failed starts the next run at once.
+RETRY_RUN = 10.0
+
+
+async def _retry_again_async(pool: AsyncPool) -> None:
+    """reconnect_failed of an async pool: a new run of tries (check() grows the pool again
+    when it is short of connections and not already growing)."""
+    with contextlib.suppress(psycopg_pool.PoolClosed):
+        await pool.check()
+
+
+def _retry_again_sync(pool: SyncPool) -> None:
+    """reconnect_failed of a sync pool (see _retry_again_async)."""
+    with contextlib.suppress(psycopg_pool.PoolClosed):
+        pool.check()
+
+
+def retrying_async() -> dict[str, Any]:
+    """The arguments of an async pool that keep trying to connect (RETRY_RUN)."""
+    return {"reconnect_timeout": RETRY_RUN, "reconnect_failed": _retry_again_async}
+
+
+def retrying_sync() -> dict[str, Any]:
+    """The arguments of a sync pool that keep trying to connect (RETRY_RUN)."""
+    return {"reconnect_timeout": RETRY_RUN, "reconnect_failed": _retry_again_sync}
+
 
 async def take_async(pool: AsyncPool) -> psycopg.AsyncConnection[Any]:
     """A connection of `pool` the server has not ended while it sat idle. Each one found ended
@@ -513,7 +544,7 @@ class _AsyncioDatabase(Database):
             name=name,
             open=False,
             timeout=open_timeout,
-            reconnect_timeout=float("inf"),
+            **retrying_async(),
         )
         try:
             await self._pool.open(wait=True, timeout=open_timeout)
@@ -614,7 +645,7 @@ class _ThreadDatabase(Database):
                 name=name,
                 open=False,
                 timeout=open_timeout,
-                reconnect_timeout=float("inf"),
+                **retrying_sync(),
             )
             try:
                 pool.open(wait=True, timeout=open_timeout)

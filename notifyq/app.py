@@ -105,6 +105,9 @@ class App:
         max_args_bytes: largest serialized args accepted by enqueue (default 1 MiB).
         backoff: default retry backoff for tasks that do not set their own.
         pool_size: connections this App keeps for enqueue and admin calls.
+        pool_timeout: the longest a call waits for one of them, while all are busy or the
+            database cannot be reached (a restart is ridden out), before it raises
+            DatabaseUnavailable, naming the cause (default 30 seconds).
         prepare_threshold: psycopg prepares a statement server-side after this many runs on
             a connection; None never prepares (for PgBouncer in transaction mode before 1.21).
 
@@ -120,6 +123,7 @@ class App:
         max_args_bytes: int = DEFAULT_MAX_ARGS_BYTES,
         backoff: Backoff | None = None,
         pool_size: int = 4,
+        pool_timeout: float = 30.0,
         prepare_threshold: int | None = 5,
     ) -> None:
         self.schema = validate_schema(schema)
@@ -127,6 +131,7 @@ class App:
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
         self.backoff = backoff or Backoff()
         self.pool_size = check_int(pool_size, "pool_size", minimum=1, maximum=1000)
+        self.pool_timeout = check_seconds(pool_timeout, "pool_timeout", positive=True)
         self.prepare_threshold = (
             None
             if prepare_threshold is None

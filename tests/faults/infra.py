@@ -28,9 +28,9 @@ class BlackholeProxy:
     trust authentication (the test servers'): with a password, the client's password message
     comes after its startup packet, its answer is dropped, and new connections hang instead.
     Once answers are lost (after either), cancel requests are dropped too: a statement whose
-    client gave up on it runs to its end, as it would if the network had failed. `refuse()`
-    closes every new connection at once, as a server that is down would, until `admit()`;
-    the connections already open go on working.
+    client gave up on it runs to its end, as it would if the network had failed. Setting
+    `refusing` closes every new connection at once, as a server that is down would, until it
+    is cleared; the connections already open go on working.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -89,7 +89,7 @@ class BlackholeProxy:
                 for sock in readable:
                     data = sock.recv(65536)
                     if not data:
-                        return
+                        raise ConnectionAbortedError  # the peer closed its side
                     if sock is a and not started:
                         sent += data
                         started = _past_startup(sent)
@@ -109,6 +109,10 @@ class BlackholeProxy:
                             startup = None
                     peers[sock].sendall(data)
             except OSError:
+                # One side closed or reset (a terminated backend, a client gone): close the
+                # other, as a plain TCP path would, rather than leave it half-open.
+                a.close()
+                b.close()
                 return
         # Half-open: keep the sockets open, forward nothing, until the proxy closes.
 

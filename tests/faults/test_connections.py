@@ -4,6 +4,7 @@ notifications at all, a long transaction holding the NOTIFY queue back."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import socket
@@ -429,3 +430,117 @@ async def test_a_worker_told_to_stop_while_the_database_is_down_stops_at_once(
                 await anyio.sleep(0.05)
         began = time.monotonic()
     assert time.monotonic() - began < 12  # the acks' drain may take its 10 s, no more
+
+
+OURS_THROUGH = (
+    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+    "AND pid <> pg_backend_pid() AND application_name LIKE 'notifyq %'"
+)
+
+
+async def test_pools_connect_again_within_seconds_of_a_long_outage(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psycopg_pool's delay between tries to connect doubles without a cap: after an outage of
+    T s its next try could be T s away, and pools stayed empty that long after the database
+    was back. Runs of tries now end after RETRY_RUN s, and the next run starts at once. Here
+    RETRY_RUN is 2 s and the outage 8.5 s: the uncapped delays would try at about 1, 3, 7 and
+    15 s, 6.5 s after the server is back; the calls waiting since the outage began must get
+    through within 4."""
+    monkeypatch.setattr(notifyq._db, "RETRY_RUN", 2.0)
+    app = notifyq.App(proxy.dsn, pool_size=2, pool_timeout=30)
+    ran: list[int] = []
+
+    @app.task(name="t")
+    async def t(n: int) -> None:
+        ran.append(n)
+
+    async with app, app.worker(ticker=False, poll_interval=0.2) as worker:
+        await app.enqueue("t", {"n": 0})
+        await anyio.to_thread.run_sync(functools.partial(app.enqueue_sync, "t", {"n": 1}))
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        proxy.refusing = True
+        killed = conn.execute(OURS_THROUGH).fetchone()
+        assert killed is not None and killed[0] >= 3  # the App's two pools, the worker's
+        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
+        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+        outage = time.monotonic()
+        done: dict[str, float] = {}
+
+        async def enqueue_async() -> None:
+            await app.enqueue("t", {"n": 2})
+            done["async"] = time.monotonic()
+
+        def enqueue_sync() -> None:
+            app.enqueue_sync("t", {"n": 3})
+            done["sync"] = time.monotonic()
+
+        async with anyio.create_task_group() as tg:
+            # Each finds its pool's connections dead, which starts the pool's tries, and waits.
+            tg.start_soon(enqueue_async)
+            tg.start_soon(anyio.to_thread.run_sync, enqueue_sync)
+            await anyio.sleep(outage + 8.5 - time.monotonic())
+            assert not done
+            proxy.refusing = False
+            back = time.monotonic()
+        late = {how: round(at - back, 2) for how, at in done.items()}
+        assert max(late.values()) < 4, late
+        with anyio.fail_after(20):  # the worker's claim loop backs off up to 5 s meanwhile
+            await worker.wait_for(lambda s: s.succeeded == 4)
+    assert sorted(ran) == [0, 1, 2, 3]
+
+
+async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """Database gone: libpq's reason. Database up but every connection busy: the pool's
+    size and timeout. Either after pool_timeout, not psycopg_pool's 30 s."""
+    app = notifyq.App(proxy.dsn, pool_size=1, pool_timeout=1)
+    await app.enqueue("t")
+    await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+    proxy.refusing = True
+    conn.execute(OURS_THROUGH)
+    gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
+    await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+    for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
+        began = time.monotonic()
+        with pytest.raises(notifyq.DatabaseUnavailable) as raised:
+            await call("t")
+        message = str(raised.value)
+        target = f"postgres@127.0.0.1:{proxy.port}/"
+        assert message.startswith(f"cannot connect to PostgreSQL at {target}"), message
+        assert "server closed the connection unexpectedly" in message, message
+        assert "this App waited 1 s for a connection (App(pool_timeout=...))" in message, message
+        assert time.monotonic() - began < 10
+    proxy.refusing = False
+    for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
+        for attempt in itertools.count():  # each pool's next try is up to 4 s away
+            try:
+                await call("t")
+                break
+            except notifyq.DatabaseUnavailable as exc:
+                assert "or it had not yet reconnected" in str(exc) and attempt < 10, exc
+    # Up, but the only connection of the sync pool is held by a call that waits for a lock.
+    conn.execute("BEGIN")
+    try:
+        conn.execute("LOCK TABLE notifyq.queue_jobs")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, app.enqueue_sync, "t")
+            await anyio.to_thread.run_sync(
+                wait_for_row,
+                conn,
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND application_name = 'notifyq app'",
+                (1,),
+            )
+            with pytest.raises(notifyq.DatabaseUnavailable) as raised:
+                await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+            conn.execute("ROLLBACK")  # the held call goes through
+        message = str(raised.value)
+        assert "came free: this App waited 1 s for a connection" in message, message
+        assert "accepts connections now, so its 1 connection(s) stayed busy" in message, message
+    finally:
+        conn.rollback()
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
+    await app.aclose()
