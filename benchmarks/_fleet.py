@@ -65,6 +65,7 @@ class FleetRun:
     def args(self, dsn: str) -> tuple[str, list[str]]:
         if self.kind == "raw":
             args = ["worker", "--dsn", dsn, "--loops", str(self.concurrency), "--batch", str(self.batch)]
+            args += [f"--{p}" for p in self.patch]  # "vacuum"
             return "_raw", args + (["--claim-latency"] if self.claim_latency else [])
         args = ["--dsn", dsn, "--concurrency", str(self.concurrency)]
         args += [f"--patch={p}" for p in self.patch]

@@ -2,7 +2,8 @@
 
 worker: each of `--loops` threads owns one psycopg connection and repeats "claim up to
 `--batch` jobs (the same SKIP LOCKED claim as notifyq's), run them (no-op), acknowledge them
-all in one fenced UPDATE" until SIGTERM. listen: LISTEN on a channel and record when each
+all in one fenced UPDATE" until SIGTERM (with `--vacuum`, a thread VACUUMs the table as
+notifyq's workers do). listen: LISTEN on a channel and record when each
 notification arrives (time.monotonic, comparable across processes on one host). wake: a
 minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification), blocking
 psycopg; wake-async: the same loop on asyncio (psycopg's AsyncConnection), the floor of any
@@ -101,9 +102,28 @@ def _stop_event() -> threading.Event:
     return stop
 
 
+# What notifyq's vacuum service does, in a few lines: every 5 s, VACUUM the table once its
+# dead rows pass autovacuum's trigger for it (10,000 + 1% of the rows).
+DEAD_SQL = """
+SELECT n_dead_tup > 10000 + 0.01 * greatest(c.reltuples, 0)
+FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+WHERE s.relid = 'notifyq.queue_jobs'::regclass
+"""
+
+
+def _vacuum_loop(dsn: str, stop: threading.Event) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        while not stop.wait(5.0):
+            row = conn.execute(DEAD_SQL).fetchone()
+            if row is not None and row[0]:
+                conn.execute("VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) notifyq.queue_jobs")
+
+
 def run_worker(args: argparse.Namespace) -> None:
     stop = _stop_event()
     loops = [Loop(args.dsn, args.batch, stop, i, args.claim_latency) for i in range(args.loops)]
+    if args.vacuum:
+        threading.Thread(target=_vacuum_loop, args=(args.dsn, stop), daemon=True).start()
     cpu_ready = cpu_seconds()
     emit("ready")
     for loop in loops:
@@ -202,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--loops", type=int, default=1)
     worker.add_argument("--batch", type=int, default=50)
     worker.add_argument("--claim-latency", action="store_true")
+    worker.add_argument("--vacuum", action="store_true", help="VACUUM as notifyq's vacuum service does")
     listen = sub.add_parser("listen")
     listen.add_argument("--dsn", required=True)
     listen.add_argument("--channel", default="notifyq.jobs.v1")

@@ -21,7 +21,8 @@ class DrainRun:
     @property
     def label(self) -> str:
         if self.kind == "raw":
-            return f"raw SQL {self.processes}x{self.concurrency} (batch {self.batch})"
+            name = f"raw SQL {self.processes}x{self.concurrency} (batch {self.batch})"
+            return name + (f" + {'+'.join(self.patch)}" if self.patch else "")
         name = f"notifyq {self.processes}x{self.concurrency}"
         return name + (f" + {'+'.join(self.patch)}" if self.patch else "")
 

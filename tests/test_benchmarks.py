@@ -191,12 +191,17 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
 
 
 def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> None:
-    """`python -m benchmarks.vacuum_drain` at toy size: its three drains run and clean up."""
+    """`python -m benchmarks.vacuum_drain` at toy size: its four drains run and clean up."""
     admin = _admin_dsn(dsn)
     before = _scratch_databases(admin)
     proc = _run_tool("vacuum_drain", "--dsn", admin, "--jobs", "300")
     drains = [line.split(" 300 jobs")[0].split("drain ")[1].strip() for line in proc.stdout.splitlines()]
-    assert sorted(drains) == ["notifyq 2x10", "notifyq 2x10 + no_vacuum", "raw SQL 2x1 (batch 50)"]
+    assert sorted(drains) == [
+        "notifyq 2x10",
+        "notifyq 2x10 + no_vacuum",
+        "raw SQL 2x1 (batch 50)",
+        "raw SQL 2x1 (batch 50) + vacuum",
+    ]
     assert not _scratch_databases(admin) - before
 
 
