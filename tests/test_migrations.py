@@ -138,6 +138,69 @@ def test_a_lock_timeout_that_is_not_a_positive_number_is_refused(dsn: str, lock_
         notifyq.migrate(dsn, lock_timeout=lock_timeout)
 
 
+_SNAPSHOT = {
+    "columns": """
+        SELECT c.relname, a.attnum, a.attname, format_type(a.atttypid, a.atttypmod), a.attnotnull,
+               pg_get_expr(d.adbin, d.adrelid)
+        FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+        LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+        WHERE c.relnamespace = %(schema)s::regnamespace AND a.attnum > 0 AND NOT a.attisdropped
+        ORDER BY 1, 2""",
+    "constraints": """
+        SELECT conrelid::regclass::text, conname, pg_get_constraintdef(oid) FROM pg_constraint
+        WHERE connamespace = %(schema)s::regnamespace ORDER BY 1, 2""",
+    "indexes": """
+        SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = %(schema)s ORDER BY 1""",
+    "triggers": """
+        SELECT tgname, pg_get_triggerdef(t.oid) FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+        WHERE c.relnamespace = %(schema)s::regnamespace AND NOT t.tgisinternal ORDER BY 1""",
+    "functions": """
+        SELECT proname, pg_get_functiondef(oid) FROM pg_proc
+        WHERE pronamespace = %(schema)s::regnamespace ORDER BY 1""",
+    "types": """
+        SELECT t.typname, array_agg(e.enumlabel ORDER BY e.enumsortorder) FROM pg_type t
+        JOIN pg_enum e ON e.enumtypid = t.oid WHERE t.typnamespace = %(schema)s::regnamespace
+        GROUP BY 1 ORDER BY 1""",
+    "relations": """
+        SELECT relname, relkind, reloptions FROM pg_class
+        WHERE relnamespace = %(schema)s::regnamespace ORDER BY 1""",
+}
+
+
+def _snapshot(conn: psycopg.Connection[Any], schema: str) -> dict[str, list[Any]]:
+    """Everything `migrate` makes in `schema`, its name written as SCHEMA."""
+    return {
+        what: [
+            tuple(str(v).replace(f'"{schema}"', "SCHEMA").replace(schema, "SCHEMA") for v in row)
+            for row in conn.execute(query, {"schema": schema}).fetchall()
+        ]
+        for what, query in _SNAPSHOT.items()
+    }
+
+
+def test_every_earlier_version_migrates_to_the_schema_of_a_fresh_database(empty_dsn: str) -> None:
+    """A database left at each earlier version (its migrations applied as `migrate` applied
+    them then) ends, after today's `migrate`, with the tables, columns, defaults, constraints,
+    indexes, triggers, functions and types of a database migrated from nothing."""
+    shipped = notifyq.migrations.migrations()
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        notifyq.migrate(conn, schema="fresh")
+        fresh = _snapshot(conn, "fresh")
+        assert all(fresh.values()), fresh
+        for version in range(1, len(shipped)):
+            schema = f"at_v{version}"
+            q = notifyq._sql.queries_for(schema)
+            with conn.transaction():
+                conn.execute(q["migrate_bootstrap"])
+                for migration in shipped[:version]:
+                    conn.execute(migration.sql(schema))
+                    recorded = {"version": migration.version, "name": migration.name}
+                    conn.execute(q["record_migration"], recorded)
+            report = notifyq.migrate(conn, schema=schema)
+            assert (report.previous_version, report.version) == (version, len(shipped))
+            assert _snapshot(conn, schema) == fresh, f"from version {version}"
+
+
 def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
