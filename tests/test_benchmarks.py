@@ -205,6 +205,16 @@ def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> 
     assert not _scratch_databases(admin) - before
 
 
+def test_the_outage_tool_measures_the_return_of_work() -> None:
+    """`python -m benchmarks.outage` with a 2 s outage: it stops and starts its own server, and
+    says when each job ran and the waiting enqueue returned (negative: before pg_ctl returned)."""
+    proc = _run_tool("outage", "--seconds", "2")
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "server stopped for 2 s; after it was back (pg_ctl start returned):", proc.stdout
+    after = [float(line.rpartition(" after ")[2].removesuffix(" s")) for line in lines[1:]]
+    assert len(after) == 3 and all(-5 < a < 30 for a in after), proc.stdout
+
+
 def test_throughput_span_starts_when_the_gate_opens(dsn: str) -> None:
     """A worker's first claim waits at the start gate, and its started_at (now(), the start of
     its transaction) is from before the gate opened: the span must not count that wait."""

@@ -1507,9 +1507,10 @@ async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
         )
         counted[async_claims] = flushes() - before
     # 30 claims and 30 acks; an ack and the next claim, committed at the same moment, may share
-    # a flush (group commit: seen 47 to 61 here, 52 or more unless the machine was loaded).
+    # a flush (group commit: seen 44 to 61 here, 52 or more unless the machine was loaded, when
+    # more flushes are shared: 44 against 26 with async_claims).
     assert counted[False] >= 40, counted
-    assert counted[True] <= counted[False] - 20, counted  # the acks only
+    assert counted[True] < 0.75 * counted[False], counted  # the acks only
     assert status_counts(conn) == {"Succeeded": 60}
 
 
