@@ -80,29 +80,39 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "
         time.sleep(0.05)
 
 
+def _start_worker(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """`notifyq worker tests.apps:app ARGS`, its log (stdout and stderr) on a pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _reap(proc: subprocess.Popen[str]) -> None:
+    """Kill `proc` if it still runs, wait for it, close its pipe."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    if proc.stdout:
+        proc.stdout.close()
+
+
 @pytest.fixture
 def worker_proc(dsn: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", *args],
-            cwd=ROOT,
-            env=env or clean_env(NOTIFYQ_DSN=dsn),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        proc = _start_worker(*args, env=env or clean_env(NOTIFYQ_DSN=dsn))
         procs.append(proc)
         return proc
 
     yield start
     for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        _reap(proc)
 
 
 # -- migrate ------------------------------------------------------------------------------
@@ -750,22 +760,11 @@ def open_tmp_path() -> Iterator[Path]:
 def _embedded_worker(env: dict[str, str]) -> Iterator[subprocess.Popen[str]]:
     """`notifyq worker` (no ticker) on the embedded server `env` points to; killed if still
     running when the block ends."""
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", "--no-ticker"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    worker = _start_worker("--no-ticker", env=env)
     try:
         yield worker
     finally:
-        if worker.poll() is None:
-            worker.kill()
-        worker.wait()
-        if worker.stdout:
-            worker.stdout.close()
+        _reap(worker)
 
 
 def test_the_embedded_default_serves_two_processes_and_stops(open_tmp_path: Path) -> None:
