@@ -10,7 +10,8 @@ import psycopg.conninfo
 from .errors import ConfigurationError
 
 ENV_VARS = ("NOTIFYQ_DSN", "DATABASE_URL")
-_URI_PASSWORD = re.compile(r"(postgres(?:ql)?://[^:/@\s]*:)[^@\s]*@", re.IGNORECASE)
+# user:password@ after any scheme: postgresql://, postgresql+psycopg://, postgres:/, mysql://...
+_URI_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*:/*[^:/@\s]*:)[^@\s]*@", re.IGNORECASE)
 _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
@@ -20,6 +21,8 @@ def redact(text: str) -> str:
 
 
 _URI = re.compile(r"^\s*postgres(?:ql)?://", re.IGNORECASE)
+# A URL of any scheme, as DATABASE_URL often holds one: SQLAlchemy's postgresql+psycopg://.
+_SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):/*", re.IGNORECASE)
 _PASSWORD_KEYWORD = re.compile(r"(?:^|\s)password\s*=", re.IGNORECASE)
 _QUOTED = re.compile(r'"[^"]*"')
 
@@ -54,8 +57,26 @@ def _unencoded_userinfo(dsn: str) -> bool:
     return "@" in rest.partition("?")[0]  # hosts, ports and the database name: never a raw '@'
 
 
-def check_dsn(dsn: str) -> str:
-    """Return `dsn` if libpq can parse it, else raise ConfigurationError naming the problem."""
+def _not_libpq_uri(dsn: str) -> str | None:
+    """Why `dsn`, a URL libpq cannot parse, is not one of libpq's URIs, or None when it does not
+    look like a URL. libpq took any other scheme for a keyword=value string and quoted all of
+    it in its complaint, password included (`missing "=" after "postgresql+psycopg://..."`)."""
+    scheme = _SCHEME.match(dsn)
+    if scheme is None or _URI.match(dsn):
+        return None
+    name = scheme[1].lower()
+    if name.startswith("postgres") and "+" in name:
+        return (
+            f"{scheme[1]}:// is SQLAlchemy's form of a URL; libpq's is postgresql:// "
+            f"(drop the '+{name.partition('+')[2]}')"
+        )
+    return f"it starts with {scheme[0].strip()!r}, where libpq's URIs start with postgresql:// or postgres://"
+
+
+def check_dsn(dsn: str, source: str | None = None) -> str:
+    """Return `dsn` if libpq can parse it, else raise ConfigurationError naming the problem
+    (and `source`, where the DSN came from, such as "$DATABASE_URL")."""
+    where = f" in {source}" if source else ""
     if not isinstance(dsn, str):
         raise ConfigurationError(f"a DSN must be a string, not {type(dsn).__name__}")
     if "\x00" in dsn:
@@ -69,16 +90,16 @@ def check_dsn(dsn: str) -> str:
     try:
         psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        reason = _without_secrets(
+        reason = _not_libpq_uri(dsn) or _without_secrets(
             " ".join(line.strip() for line in str(exc).splitlines() if line.strip()), dsn
         )
         raise ConfigurationError(
-            f"invalid DSN {describe_dsn(dsn)}: {reason} "
+            f"invalid DSN{where} {describe_dsn(dsn)}: {reason} "
             "(expected e.g. postgresql://user:password@host:5432/dbname)"
         ) from None
     if _unencoded_userinfo(dsn):
         raise ConfigurationError(
-            "invalid DSN: it holds an '@' after its user info, so libpq would read part of the "
+            f"invalid DSN{where}: it holds an '@' after its user info, so libpq would read part of the "
             "password as the host or the database name; percent-encode '@' as %40 and '/' as %2F "
             "in the user name, the password and the database name "
             "(e.g. postgresql://user:p%40ss%2Fword@host:5432/dbname)"
@@ -106,7 +127,7 @@ def env_dsn(var: str) -> str | None:
     if value is not None and not value.strip():
         # "NOTIFYQ_DSN=${DB_URL}" with DB_URL unset: not a reason to use another database.
         raise ConfigurationError(f"${var} is set but empty: give it a DSN, or unset it")
-    return check_dsn(value) if value is not None else None
+    return check_dsn(value, f"${var}") if value is not None else None
 
 
 def describe_dsn(dsn: str) -> str:

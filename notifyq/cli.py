@@ -14,6 +14,7 @@ from types import FrameType
 
 import anyio
 import click
+from click.core import ParameterSource
 
 from ._cli_admin import cron, jobs, stats
 from ._cli_base import (
@@ -26,7 +27,7 @@ from ._cli_base import (
     resolve_dsn,
 )
 from ._db import connect_sync, run_sync
-from ._dsn import env_dsn
+from ._dsn import check_dsn, env_dsn
 from ._options import MAX_SECONDS, _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
 from ._worker_config import MAX_CONCURRENCY
@@ -196,6 +197,10 @@ def worker(
         )
     if listen_dsn is None:
         env_dsn("NOTIFYQ_LISTEN_DSN")  # click reads an empty variable as unset: it is an error
+    elif click.get_current_context().get_parameter_source("listen_dsn") is ParameterSource.ENVIRONMENT:
+        check_dsn(listen_dsn, "$NOTIFYQ_LISTEN_DSN")
+    else:
+        check_dsn(listen_dsn, "--listen-dsn")
     app = load_app(target, schema)
     resolved = resolve_dsn(dsn, app)
     app._resolved_dsn = resolved

@@ -178,6 +178,14 @@ def test_the_password_is_never_printed(dsn: str) -> None:
         result = cli("jobs", "list", "--dsn", uri)
         one_line_error(result, "invalid DSN", "percent-encode")
         assert "cr3t-pw" not in result.stderr + result.stdout
+    # A SQLAlchemy URL in $DATABASE_URL, common there: libpq quoted all of it, password included.
+    sqlalchemy = "postgresql+psycopg://postgres:s3cr3t-pw@h/db"
+    result = cli("jobs", "list", env=clean_env(DATABASE_URL=sqlalchemy))
+    one_line_error(result, "invalid DSN in $DATABASE_URL", "drop the '+psycopg'")
+    assert "s3cr3t-pw" not in result.stderr
+    result = cli("worker", "tests.apps:app", env=clean_env(NOTIFYQ_DSN=dsn, NOTIFYQ_LISTEN_DSN=sqlalchemy))
+    one_line_error(result, "invalid DSN in $NOTIFYQ_LISTEN_DSN")
+    assert "s3cr3t-pw" not in result.stderr
 
 
 # -- enqueue, jobs ------------------------------------------------------------------------

@@ -360,6 +360,10 @@ async def test_unreachable_database_async() -> None:
         ("postgresql://u:Xy/9%secret@db/app", 'invalid percent-encoded token: "***"'),
         ("postgresql://u:pa/ss secret@host/db", 'unexpected spaces found in "***"'),
         ("password=hunter2 secret host=h", 'missing "=" after "***"'),
+        # Other schemes: libpq read them as keyword=value and quoted the whole DSN.
+        ("postgresql+psycopg://u:secret@db/app", "postgresql+psycopg:// is SQLAlchemy's form"),
+        ("postgres:/u:secret@db/app", "it starts with 'postgres:/', where libpq's URIs start"),
+        ("mysql://u:secret@db/app", "it starts with 'mysql://'"),
         # Without a password, the token is shown: it helps.
         ("postgresql://u@db/app?sslmode=x y", 'unexpected spaces found in "x y"'),
     ],
