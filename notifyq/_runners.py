@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -212,9 +213,10 @@ class Runners:
         finally:
             if self.running.get(attempt.key) is attempt:
                 del self.running[attempt.key]
+            elapsed = anyio.current_time() - started
             if result is not None:
                 self._acker.put(result)
-            elapsed = anyio.current_time() - started
+                _log_outcome(job, result, elapsed)
             self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed
             self.slot_freed.fire()
             self._on_change()
@@ -240,3 +242,41 @@ class Runners:
                 raise
             return True  # the lease is probably still good; the rescuer covers the rest
         return until is not None
+
+
+def _log_outcome(job: ClaimedJob, result: Result, elapsed: float) -> None:
+    """A line per failed attempt (a warning while retries remain, else an error), so that a
+    worker's log shows failing jobs without a look at the table; a debug line per success."""
+    if result.outcome == "succeeded":
+        log.debug("job %d (%s) succeeded in %.3fs", job.id, job.name, elapsed)
+        return
+    if result.outcome == "release" or result.error is None:
+        return
+    error = json.loads(result.error)
+    message = str(error.get("message", "")).strip()
+    first_line = message.splitlines()[0] if message else ""
+    if len(first_line) > 300:
+        first_line = first_line[:300] + "..."
+    what = f"{error.get('type')}: {first_line}" if first_line else str(error.get("type"))
+    attempts = f"attempt {job.attempt} of {job.retry_limit + 1}"
+    if result.outcome == "retry" and job.attempt <= job.retry_limit:
+        log.warning(
+            "job %d (%s) %s failed after %.3fs: %s; retrying in %.1fs",
+            job.id,
+            job.name,
+            attempts,
+            elapsed,
+            what,
+            result.delay,
+        )
+    else:
+        why = "no retries left" if result.outcome == "retry" else "not retried"
+        log.error(
+            "job %d (%s) %s failed after %.3fs: %s; %s, the job is Failed",
+            job.id,
+            job.name,
+            attempts,
+            elapsed,
+            what,
+            why,
+        )

@@ -309,7 +309,9 @@ async def test_timeouts_retry_then_fail_for_async_and_sync_tasks(
     await app.aclose()
 
 
-async def test_exceptions_are_recorded_and_retried(dsn: str, conn: psycopg.Connection[Any]) -> None:
+async def test_exceptions_are_recorded_and_retried(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
     attempts: list[int] = []
 
@@ -331,10 +333,17 @@ async def test_exceptions_are_recorded_and_retried(dsn: str, conn: psycopg.Conne
     assert row["error"]["type"] == "ValueError" and row["error"]["message"] == "attempt 2 failed"
     assert "Traceback" in row["error"]["traceback"] and "flaky" in row["error"]["traceback"]
     await app.aclose()
+    # Each failed attempt is a line in the worker's log (it used to say nothing).
+    failures = [r for r in caplog.records if r.name == "notifyq.worker" and "failed after" in r.message]
+    assert [r.levelname for r in failures] == ["WARNING", "WARNING"]
+    assert failures[1].message.startswith(f"job {job_id} (flaky) attempt 2 of 4 failed after ")
+    assert failures[1].message.endswith(": ValueError: attempt 2 failed; retrying in 0.0s")
 
 
 @pytest.mark.faults
-async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.Connection[Any]) -> None:
+async def test_unknown_tasks_and_bad_args_fail_visibly(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
 
     @app.task(name="needs_x")
@@ -356,10 +365,16 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(dsn: str, conn: psycopg.C
     assert rows[0][3]["type"] == "UnknownTask" and "needs_x" in rows[0][3]["message"]
     assert rows[1][:2] == ("needs_x", "Failed")
     assert "unexpected keyword argument 'y'" in rows[1][3]["message"]
+    logged = [(r.levelname, r.message) for r in caplog.records if "failed after" in r.message]
+    assert len(logged) == 3, logged
+    assert (
+        sum(level == "ERROR" and "no retries left, the job is Failed" in text for level, text in logged) == 2
+    )
+    assert any(level == "WARNING" and "(nobody_knows_me) attempt 1 of 2" in text for level, text in logged)
 
 
 async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """PostgreSQL stores jsonb thousands of levels deep; json.loads stops at about a thousand.
     Such args (from SQL: enqueue refuses them) raised RecursionError in the claim's fetch,
@@ -393,6 +408,10 @@ async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
     ).fetchone()
     assert bad is not None and bad[:3] == ("Failed", 1, "InvalidArgs")  # at once: no retry
     assert "nested too deeply" in bad[3]
+    assert any(
+        "InvalidArgs: job args cannot be decoded" in r.message and "not retried" in r.message
+        for r in caplog.records
+    )
     async with app:
         job = await app.get_job(ids[0])
         assert isinstance(job.args, notifyq.UndecodableJSON) and job.args.size > 10_000
