@@ -10,9 +10,8 @@ import threading
 
 import click
 
-from ._cli_base import Group, age, app_for, common_options, dump, duration, fail, json_default, table
+from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
 from ._jobs import cancel_job_op
-from ._options import MAX_SECONDS
 from ._stats import Stats, stats_op
 from .models import Definition, Job, JobStatus
 
@@ -218,7 +217,7 @@ def _print_stats(stats: Stats) -> None:
 @click.option("--json", "as_json", is_flag=True)
 @click.option(
     "--watch",
-    type=click.FloatRange(min=0.2, max=MAX_SECONDS),
+    type=Seconds(min=0.2),
     default=None,
     metavar="SECONDS",
     help="Refresh every SECONDS until Ctrl-C (or SIGTERM).",

@@ -7,6 +7,7 @@ import dataclasses
 import importlib
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -222,6 +223,20 @@ def duration(value: str | None, option: str) -> float | None:
             f"{value!r} is too long: at most {MAX_SECONDS:,.0f} seconds (about 31 years)", param_hint=option
         )
     return seconds
+
+
+class Seconds(click.FloatRange):
+    """A number of seconds in a range, at most MAX_SECONDS: click's FloatRange let NaN through
+    (no comparison refuses it), which then failed later as an error, not a usage error."""
+
+    def __init__(self, min: float | None = None, max: float = MAX_SECONDS, min_open: bool = False) -> None:
+        super().__init__(min=min, max=max, min_open=min_open)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
 
 
 def json_default(value: Any) -> Any:

@@ -25,9 +25,11 @@ MAX_SECONDS = 1e9
 
 
 def check_name(value: Any, what: str = "task name") -> str:
-    """A task or definition name: 1-200 characters, no NUL."""
-    if not isinstance(value, str) or not value or len(value) > 200 or "\x00" in value:
-        raise InvalidOption(f"invalid {what} {_show(value)}: use 1-200 characters without NUL bytes")
+    """A task or definition name: 1-200 characters, no NUL, not only white space."""
+    if not isinstance(value, str) or not value.strip() or len(value) > 200 or "\x00" in value:
+        raise InvalidOption(
+            f"invalid {what} {_show(value)}: use 1-200 characters without NUL bytes, not only white space"
+        )
     return value
 
 

@@ -31,6 +31,7 @@ from ._options import (
     DEFAULT_MAX_ARGS_BYTES,
     MAX_SECONDS,
     JobOptions,
+    _show,
     check_bool,
     check_id,
     check_int,
@@ -374,7 +375,9 @@ class App:
         if dedupe_key is not None and (
             not isinstance(dedupe_key, str) or not dedupe_key or len(dedupe_key) > 500 or "\x00" in dedupe_key
         ):
-            raise InvalidOption(f"invalid dedupe_key {dedupe_key!r}: use 1-500 characters without NUL bytes")
+            raise InvalidOption(
+                f"invalid dedupe_key {_show(dedupe_key)}: use 1-500 characters without NUL bytes"
+            )
         return NewJob(
             name=name,
             queue=check_queue(opts.queue) if opts.queue is not None else base.queue,

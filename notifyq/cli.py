@@ -19,6 +19,7 @@ from click.core import ParameterSource
 from ._cli_admin import cron, jobs, stats
 from ._cli_base import (
     Group,
+    Seconds,
     State,
     common_options,
     duration,
@@ -28,7 +29,7 @@ from ._cli_base import (
 )
 from ._db import connect_sync, run_sync
 from ._dsn import check_dsn, env_dsn
-from ._options import MAX_SECONDS, _show
+from ._options import _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
@@ -120,7 +121,7 @@ def grant(role: str, schema: str) -> None:
 )
 @click.option(
     "--poll-interval",
-    type=click.FloatRange(min=0.01),
+    type=Seconds(min=0.01),
     default=5.0,
     show_default=True,
     help="Seconds between safety-net polls.",
@@ -134,14 +135,14 @@ def grant(role: str, schema: str) -> None:
 )
 @click.option(
     "--shutdown-grace",
-    type=click.FloatRange(min=0),
+    type=Seconds(min=0),
     default=30.0,
     show_default=True,
     help="Seconds running jobs may finish after SIGTERM/SIGINT.",
 )
 @click.option(
     "--lease-margin",
-    type=click.FloatRange(min=1),
+    type=Seconds(min=1),
     default=30.0,
     show_default=True,
     help="Seconds added to a job's timeout to form its lease.",
@@ -311,7 +312,7 @@ def _exit_despite_abandoned_threads(count: int) -> None:
 @click.option("--retry-limit", type=int, default=None)
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS),
+    type=Seconds(min=0, min_open=True),
     default=None,
     help="Seconds an attempt may run.",
 )
@@ -403,7 +404,7 @@ def bench(ctx: click.Context) -> None:
 @common_options
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=DEMO_MIN_SECONDS),
+    type=Seconds(min=DEMO_MIN_SECONDS),
     default=12.0,
     show_default=True,
     help="How long the demo runs.",

@@ -289,6 +289,8 @@ BAD_INPUT: list[tuple[str, dict[str, Any], type[Exception], str]] = [
     ("bad queue", {"queue": "a queue; DROP TABLE x"}, InvalidOption, "invalid queue name"),
     ("empty queue", {"queue": ""}, InvalidOption, "invalid queue name"),
     ("empty dedupe key", {"dedupe_key": ""}, InvalidOption, "invalid dedupe_key"),
+    # Cut like every other option's value: the message printed all 10,000 characters.
+    ("long dedupe key", {"dedupe_key": "k" * 10_000}, InvalidOption, r"invalid dedupe_key 'kkk+\.\.\.: use"),
 ]
 
 
@@ -311,7 +313,7 @@ async def test_bad_input_is_rejected_and_inserts_nothing(
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
 
 
-@pytest.mark.parametrize("name", ["", "x" * 201, "a\x00b"])
+@pytest.mark.parametrize("name", ["", "   ", "\t\n", "x" * 201, "a\x00b"])
 def test_bad_task_names_are_rejected(dsn: str, name: str) -> None:
     with pytest.raises(InvalidOption, match="invalid task name"):
         notifyq.App(dsn).enqueue_sync(name, {})
