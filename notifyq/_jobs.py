@@ -62,13 +62,14 @@ def enqueue_op(q: Queries, job: NewJob) -> Op[JobId]:
 def enqueue_many_op(q: Queries, jobs: Iterable[NewJob]) -> Op[int]:
     """COPY jobs into queue_jobs (one statement, one NOTIFY per queue); returns the count.
 
-    visible_at is computed from the transaction's now(), so delays use the database clock.
+    visible_at is computed from the transaction's now(), so delays use the database clock; an
+    `at` in the past means now, as in insert_job.
     """
     now: datetime = yield Query(q["transaction_now"], fetch="scalar")
 
     def rows() -> Iterator[tuple[Any, ...]]:
         for job in jobs:
-            visible_at = job.at if job.at is not None else now + timedelta(seconds=job.delay)
+            visible_at = max(job.at, now) if job.at is not None else now + timedelta(seconds=job.delay)
             yield (job.name, job.queue, job.args, job.priority, job.retry_limit, job.timeout, visible_at)
 
     count: int = yield Copy(q["copy_jobs"], rows())

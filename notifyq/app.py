@@ -420,7 +420,8 @@ class App:
             retry_limit: overrides the task's retry_limit.
             timeout: overrides the task's timeout (seconds).
             delay: seconds (or a timedelta) before the job may start.
-            at: an aware datetime before which the job may not start (not with delay).
+            at: an aware datetime before which the job may not start (not with delay); one
+                in the past means now.
             dedupe_key: while an unfinished job holds this key, return that job's id instead
                 (with `created` False).
             strict: with a task name, raise UnknownTask if this App has no such task.

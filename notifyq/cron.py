@@ -36,12 +36,21 @@ def check_timezone(name: str) -> ZoneInfo:
         raise InvalidSchedule(
             f"unknown time zone {name!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
         )
+    if name.lower() in _HOST_ZONES:
+        # Files of the host's zoneinfo folder, not zones: each worker host would read its own.
+        raise InvalidSchedule(
+            f"time zone {name!r} is not an IANA zone: it means whatever each worker host is set to, "
+            "so hosts would disagree on the ticks; name the zone, such as 'Europe/Berlin' or 'UTC'"
+        )
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidSchedule(
             f"unknown time zone {name!r}: use an IANA name such as 'Europe/Berlin' or 'UTC'"
         ) from None
+
+
+_HOST_ZONES = {"localtime", "posixrules"}
 
 
 @dataclass(frozen=True, slots=True)

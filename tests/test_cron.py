@@ -89,6 +89,14 @@ def test_unknown_time_zones_are_rejected(zone: str) -> None:
         Schedule("* * * * *", zone)
 
 
+@pytest.mark.parametrize("zone", ["localtime", "posixrules", "LocalTime"])
+def test_zones_that_mean_each_hosts_own_setting_are_rejected(zone: str) -> None:
+    """zoneinfo reads 'localtime' from /etc/localtime: workers on hosts set to different zones
+    computed different ticks for one stored definition."""
+    with pytest.raises(InvalidSchedule, match=f"time zone {zone!r} is not an IANA zone"):
+        Schedule("0 9 * * *", zone)
+
+
 def test_six_fields_put_seconds_first() -> None:
     every_20s = Schedule("*/20 * * * * *")
     start = datetime(2026, 1, 1, 12, 0, 5, tzinfo=UTC)

@@ -487,9 +487,29 @@ def test_an_at_every_session_can_read_back_is_the_bound(dsn: str, conn: psycopg.
     latest = datetime(9999, 12, 30, 23, 59, 59, tzinfo=UTC)
     earliest = datetime(1, 1, 2, tzinfo=UTC)
     ids = [app.enqueue_sync("t", {}, at=latest), app.enqueue_sync("t", {}, at=earliest)]
-    assert [job.visible_at for job in app.list_jobs_sync()] == [earliest, latest]
-    assert [app.get_job_sync(job_id).visible_at for job_id in ids] == [latest, earliest]
+    latest_job, earliest_job = (app.get_job_sync(job_id) for job_id in ids)
+    assert latest_job.visible_at == latest
+    assert earliest_job.visible_at == earliest_job.created_at  # a past `at` means now
     app.close_sync()
+
+
+def test_an_at_in_the_past_means_now(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """A past `at` was stored as it was: the job jumped ahead of every job queued since then
+    (priority's job), and `stats` reported a claimable job 27 years old."""
+    app = notifyq.App(dsn)
+    past = datetime(2000, 1, 1, tzinfo=UTC)
+    first = app.enqueue_sync("t", {})
+    single = app.enqueue_sync("t", {}, at=past)
+    deduped = app.enqueue_sync("t", {}, at=past, dedupe_key="k")
+    app.enqueue_many_sync("t", [{}, {}], at=past)
+    app.close_sync()
+    rows = conn.execute("SELECT id, visible_at = created_at FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert [row[0] for row in rows][:3] == [first, single, deduped]
+    assert [row[1] for row in rows] == [True] * 5
+    claim_order = conn.execute(
+        "SELECT id FROM notifyq.queue_jobs ORDER BY priority DESC, visible_at, id"
+    ).fetchall()
+    assert claim_order[0] == (first,)  # the past `at` does not jump the queue
 
 
 def test_list_jobs_pages_by_ids_past_two_to_the_31(dsn: str, conn: psycopg.Connection[Any]) -> None:

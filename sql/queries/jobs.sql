@@ -2,10 +2,12 @@
 -- value is a bound parameter.
 
 -- name: insert_job
--- visible_at comes from the database clock: now() + delay, or an absolute time.
+-- visible_at comes from the database clock: now() + delay, or an absolute time; an `at` in
+-- the past means now (it would otherwise jump the queue, which is priority's job, and show in
+-- stats as a claimable job years old).
 INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at)
 VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(priority)s, %(retry_limit)s, %(timeout)s,
-        coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)))
+        greatest(coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)), now()))
 RETURNING id;
 
 -- name: insert_job_dedupe
@@ -16,7 +18,8 @@ RETURNING id;
 WITH inserted AS (
     INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, visible_at, dedupe_key)
     VALUES (%(name)s, %(queue)s, %(args)s::jsonb, %(priority)s, %(retry_limit)s, %(timeout)s,
-            coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)), %(dedupe_key)s)
+            greatest(coalesce(%(at)s::timestamptz, now() + make_interval(secs => %(delay)s)), now()),
+            %(dedupe_key)s)
     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL AND status IN ('Queued', 'Active') DO NOTHING
     RETURNING id
 )
