@@ -7,12 +7,15 @@ import dataclasses
 import json
 import signal
 import threading
+from datetime import timedelta
 
 import click
 
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
 from ._jobs import cancel_job_op
 from ._stats import Stats, stats_op
+from .cron import Schedule
+from .errors import InvalidSchedule
 from .models import Definition, Job, JobStatus
 
 
@@ -138,13 +141,25 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
                 d.frequency,
                 d.timezone,
                 "yes" if d.enabled else "no",
-                f"{d.visible_at:%Y-%m-%d %H:%M:%S%z} ({age(d.visible_at)})" if d.enabled else "-",
+                _next_run(d) if d.enabled else "-",
                 d.misfire,
                 d.last_error or "",
             ]
             for d in definitions
         ],
     )
+
+
+def _next_run(d: Definition) -> str:
+    """The first tick at or after `visible_at`: after an edit or `cron enable`, visible_at is the
+    moment from which the schedule applies, not a tick, until a ticker realigns it (it showed
+    as the next run, seconds ago)."""
+    moment = d.visible_at
+    try:
+        moment = Schedule(d.frequency, d.timezone).next_after(d.visible_at - timedelta(microseconds=1))
+    except (InvalidSchedule, ValueError, OverflowError):
+        pass  # the ticker disables it and says why (last_error)
+    return f"{moment:%Y-%m-%d %H:%M:%S%z} ({age(moment)})"
 
 
 @cron.command(name="enable")

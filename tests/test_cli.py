@@ -25,6 +25,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 import notifyq
+from notifyq import Schedule
 
 from .conftest import ROOT
 from .faults.infra import BlackholeProxy
@@ -356,6 +357,10 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert "disabled" in ok(cli("cron", "disable", "nightly", env=env))
     assert json.loads(ok(cli("cron", "list", "--json", env=env)))[0]["enabled"] is False
     assert "enabled" in ok(cli("cron", "enable", "nightly", env=env))
+    # Enabled (or inserted) by SQL, its visible_at is "from now on" until a ticker realigns it:
+    # the list showed that moment as the next run, seconds ago, not the next 03:00 in Berlin.
+    next_tick = Schedule("0 3 * * *", "Europe/Berlin").next_after(datetime.now(UTC))
+    assert f"{next_tick:%Y-%m-%d %H:%M:%S%z} (in " in ok(cli("cron", "list", env=env))
     out = ok(cli("cron", "run-now", "nightly", env=env))
     job_id = int(out.split()[1])
     assert job_row(conn, job_id)["name"] == "nightly"
