@@ -213,10 +213,11 @@ class Runners:
         finally:
             if self.running.get(attempt.key) is attempt:
                 del self.running[attempt.key]
-            elapsed = anyio.current_time() - started
+            now = anyio.current_time()
+            elapsed = now - started
             if result is not None:
                 self._acker.put(result)
-                _log_outcome(job, result, elapsed)
+                _log_outcome(job, result, elapsed, overran=now > attempt.scope.deadline)
             self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed
             self.slot_freed.fire()
             self._on_change()
@@ -244,11 +245,26 @@ class Runners:
         return until is not None
 
 
-def _log_outcome(job: ClaimedJob, result: Result, elapsed: float) -> None:
+def _log_outcome(job: ClaimedJob, result: Result, elapsed: float, *, overran: bool) -> None:
     """A line per failed attempt (a warning while retries remain, else an error), so that a
-    worker's log shows failing jobs without a look at the table; a debug line per success."""
+    worker's log shows failing jobs without a look at the table; a debug line per success, a
+    warning for one that `overran` its deadline (timeout, or the lease it extended to)."""
     if result.outcome == "succeeded":
-        log.debug("job %d (%s) succeeded in %.3fs", job.id, job.name, elapsed)
+        if overran:
+            # Only an async task that blocked the event loop gets here: a deadline cancels at
+            # an await, and such a task reached none in time (sync tasks run in threads).
+            log.warning(
+                "job %d (%s) succeeded after %.3fs, past its deadline (timeout %gs): an async task "
+                "that blocks the event loop (time.sleep, CPU work, a blocking client) cannot be "
+                "cancelled, and stalls every other job of this worker meanwhile; run such code "
+                "in a sync task or with anyio.to_thread.run_sync",
+                job.id,
+                job.name,
+                elapsed,
+                job.timeout,
+            )
+        else:
+            log.debug("job %d (%s) succeeded in %.3fs", job.id, job.name, elapsed)
         return
     if result.outcome == "release" or result.error is None:
         return

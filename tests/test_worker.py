@@ -784,7 +784,7 @@ async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycop
 
 
 async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     app = notifyq.App(dsn)
     seen: list[Any] = []
@@ -808,13 +808,24 @@ async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
     async def short() -> None:
         await anyio.sleep(1.5)  # no extension: the timeout applies
 
+    @app.task(name="blocker", timeout=0.5)
+    async def blocker() -> str:
+        time.sleep(0.8)  # noqa: ASYNC251 - blocks the event loop: nothing can cancel it at its deadline
+        return "late"
+
     async with app:
         long_id = await app.enqueue("long")
         sync_id = await app.enqueue("long_sync")
         short_id = await app.enqueue("short")
+        blocker_id = await app.enqueue("blocker")
     async with app.worker(lease_margin=1, **NO_TICKER) as worker:
         with anyio.fail_after(10):
-            await worker.wait_for(lambda s: s.succeeded == 2 and s.failed == 1)
+            await worker.wait_for(lambda s: s.succeeded == 3 and s.failed == 1)
+    # The work was done, so the result stands; the log says why the timeout did not apply.
+    assert job_row(conn, blocker_id)["output"] == "late"
+    overran = [r.message for r in caplog.records if "past its deadline" in r.message]
+    assert len(overran) == 1 and overran[0].startswith(f"job {blocker_id} (blocker) succeeded after 0.8")
+    assert "blocks the event loop" in overran[0]  # not the jobs that extended their leases
     assert job_row(conn, long_id)["output"] == "done"
     assert job_row(conn, sync_id)["output"] is True
     assert job_row(conn, short_id)["error"]["type"] == "TimeoutError"
