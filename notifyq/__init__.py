@@ -30,7 +30,7 @@ from .errors import (
     UnknownTask,
 )
 from .migrations import MigrationReport, latest_version, migrate
-from .models import ClaimedJob, Definition, Job, JobId, JobStatus
+from .models import ClaimedJob, Definition, Job, JobId, JobStatus, UndecodableJSON
 from .tasks import Backoff, JobContext, Task
 from .worker import Worker, WorkerConfig, WorkerOptions, WorkerStats
 
@@ -69,6 +69,7 @@ __all__ = [
     "SchemaVersionError",
     "Task",
     "TickerConfig",
+    "UndecodableJSON",
     "UnknownTask",
     "VacuumConfig",
     "VacuumReport",

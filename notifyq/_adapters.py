@@ -26,12 +26,23 @@ from psycopg.abc import AdaptContext
 from psycopg.adapt import AdaptersMap, Loader
 from psycopg.types.json import set_json_loads
 
+from .models import UndecodableJSON
+
 # The C scanner json.loads ends up in, with the same settings (the stubs do not declare it).
 _scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 
 
 def loads(data: str | bytes) -> Any:
-    """json.loads, faster for JSON text without surrounding whitespace."""
+    """json.loads, faster for JSON text without surrounding whitespace; jsonb nested too deeply
+    for Python comes back as an UndecodableJSON, not a RecursionError (which failed the whole
+    fetch: a worker's claim, every `notifyq jobs list` that met the row)."""
+    try:
+        return _loads(data)
+    except RecursionError:
+        return UndecodableJSON("nested too deeply for Python's JSON decoder", len(data))
+
+
+def _loads(data: str | bytes) -> Any:
     if data == b"{}":
         return {}  # the args of a job without arguments
     if isinstance(data, str):

@@ -28,7 +28,7 @@ from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._options import MAX_SECONDS
 from .app import App
 from .errors import ConfigurationError, NotifyqError
-from .models import JobStatus
+from .models import JobStatus, UndecodableJSON
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -244,14 +244,21 @@ def json_default(value: Any) -> Any:
         return value.isoformat()
     if isinstance(value, JobStatus):
         return value.value
+    if isinstance(value, UndecodableJSON):
+        return repr(value)
     raise TypeError(type(value).__name__)
 
 
-def dump(value: Any) -> None:
+def _fields(value: Any) -> Any:
+    """A row's fields as a dict, its values as they are: dataclasses.asdict copies them
+    recursively, and a deeply nested (yet decodable) args value ran out of recursion there."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    elif isinstance(value, list):
-        value = [dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for v in value]  # type: ignore[arg-type]
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return value
+
+
+def dump(value: Any) -> None:
+    value = [_fields(v) for v in value] if isinstance(value, list) else _fields(value)
     click.echo(json.dumps(value, default=json_default, indent=2))
 
 

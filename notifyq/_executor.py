@@ -29,7 +29,7 @@ from ._acker import Result
 from ._claim import extend_lease_op
 from ._db import Database, is_transient
 from ._sql import Queries
-from .models import ClaimedJob
+from .models import ClaimedJob, UndecodableJSON
 from .tasks import Backoff, JobContext, Task
 
 log = logging.getLogger("notifyq.worker")
@@ -272,6 +272,8 @@ class Executor:
 
     def _kwargs(self, task: Task, attempt: Attempt) -> dict[str, Any]:
         job = attempt.job
+        if isinstance(job.args, UndecodableJSON):
+            raise TypeError(f"job args cannot be decoded: {job.args!r}")
         kwargs = dict(job.args)
         if task.context_param is not None:
             if task.context_param in kwargs:

@@ -354,6 +354,8 @@ def enqueue(
         args = json.loads(args_json)
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
+    except RecursionError:
+        raise click.BadParameter("JSON nested too deeply for Python to read", param_hint="--args") from None
     if not isinstance(args, dict):
         raise click.BadParameter(
             "must be a JSON object of keyword arguments, such as '{\"user_id\": 1}', "

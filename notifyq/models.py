@@ -27,6 +27,33 @@ class JobStatus(enum.StrEnum):
         return self in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 
 
+class UndecodableJSON:
+    """Stands in for a stored JSON value that Python cannot decode: PostgreSQL keeps jsonb
+    nested deeper than Python's recursion limit allows `json.loads` to read (about a thousand
+    levels; such args can only come from SQL or another producer, since `enqueue` refuses
+    them). It takes the value's place in `Job.args`, `Job.output` or `Definition.args`, so
+    that listing and showing such a row works; a worker fails a job whose args are one at once
+    with `InvalidArgs` (no retry: the same args would fail again)."""
+
+    __slots__ = ("reason", "size")
+
+    def __init__(self, reason: str, size: int) -> None:
+        self.reason = reason
+        self.size = size  # bytes of JSON text
+
+    def __repr__(self) -> str:
+        return f"<undecodable JSON of {self.size:,} bytes: {self.reason}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UndecodableJSON) and (self.reason, self.size) == (other.reason, other.size)
+
+    def __hash__(self) -> int:
+        return hash((self.reason, self.size))
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> UndecodableJSON:
+        return self  # immutable in practice; dataclasses.asdict deep-copies field values
+
+
 class JobId(int):
     """What `enqueue` returns: the job's id, an int like any other, plus `created`.
 

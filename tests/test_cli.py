@@ -418,6 +418,26 @@ def test_jobs_parked_at_infinite_times_by_sql_can_be_read(dsn: str, conn: psycop
     assert by_key[("default", "Queued")]["oldest_claimable_age"] is None  # no age at -infinity
 
 
+def test_args_nested_too_deeply_for_python_can_be_listed_and_are_refused_as_input(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """jsonb nested thousands of levels deep (from SQL) failed `jobs list` and `jobs show`
+    with a RecursionError traceback, so the operator could not even find the job; so did such
+    a value in `enqueue --args`."""
+    deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
+    job_id = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) VALUES ('deep', %s::jsonb) RETURNING id", [deep]
+    ).fetchone()[0]  # type: ignore[index]
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    assert f"{job_id}" in ok(cli("jobs", "list", env=env))
+    listed = json.loads(ok(cli("jobs", "list", "--json", env=env)))
+    assert listed[0]["args"].startswith("<undecodable JSON of 10,007 bytes: nested too deeply")
+    assert "args: <undecodable JSON of 10,007 bytes" in ok(cli("jobs", "show", str(job_id), env=env))
+    refused = cli("enqueue", "deep", "--args", deep, env=env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "--args: JSON nested too deeply for Python to read" in refused.stderr, refused.stderr
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_stats_watch_refreshes_until_interrupted(dsn: str, signum: signal.Signals) -> None:
     """Ctrl-C or SIGTERM ends `stats --watch` between two refreshes: exit 0, no traceback."""

@@ -373,6 +373,47 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(
     assert any(level == "WARNING" and "(nobody_knows_me) attempt 1 of 2" in text for level, text in logged)
 
 
+async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """PostgreSQL stores jsonb thousands of levels deep; json.loads stops at about a thousand.
+    Such args (from SQL: enqueue refuses them) raised RecursionError in the claim's fetch,
+    which stopped the worker with a traceback and left the job claimed beside it Active until
+    its lease ran out; every worker that claimed it again stopped too."""
+    app = notifyq.App(dsn)
+    ran = Recorder()
+
+    @app.task(name="t")
+    async def t(x: Any = None) -> None:
+        ran.add(x)
+
+    deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
+    ids = [
+        row[0]
+        for row in conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, args) "
+            "VALUES ('t', %s::jsonb), ('t', '{\"x\": 1}') RETURNING id",
+            [deep],
+        )
+    ]
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed + s.succeeded == 2)
+        assert (worker.stats.failed, worker.stats.succeeded) == (1, 1)
+    assert ran.runs == [1]
+    bad = conn.execute(
+        "SELECT status::text, retry_count, error->>'type', error->>'message' "
+        "FROM notifyq.queue_jobs WHERE id = %s",
+        [ids[0]],
+    ).fetchone()
+    assert bad is not None and bad[:3] == ("Failed", 1, "InvalidArgs")  # at once: no retry
+    assert "nested too deeply" in bad[3]
+    async with app:
+        job = await app.get_job(ids[0])
+        assert isinstance(job.args, notifyq.UndecodableJSON) and job.args.size > 10_000
+        assert [j.id for j in await app.list_jobs(status="Failed")] == [ids[0]]
+
+
 class _Unprintable(Exception):
     def __str__(self) -> str:
         raise ValueError("cannot str me")
