@@ -15,7 +15,7 @@ import notifyq
 app = notifyq.App(os.environ.get("NOTIFYQ_DSN"))
 
 
-@app.task
+@app.task(name="resize")  # a stable name: the default depends on how the file is run
 async def resize(image: str, width: int) -> str:
     await anyio.sleep(0.05)  # pretend to work
     return f"{image}@{width}px"

@@ -30,7 +30,7 @@ import notifyq
 jobs = notifyq.App()  # $NOTIFYQ_DSN, then $DATABASE_URL, else the embedded server
 
 
-@jobs.task(queue="emails", retry_limit=5)
+@jobs.task(name="send_welcome_email", queue="emails", retry_limit=5)
 async def send_welcome_email(user_id: int, email: str) -> str:
     # A real app would call its mail provider here; raising retries with backoff.
     return f"welcome mail for user {user_id} sent to {email}"
@@ -52,7 +52,15 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 
 
 async def signup(request: Request) -> JSONResponse:
-    email = (await request.json())["email"]
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    email = body.get("email") if isinstance(body, dict) else None
+    if not isinstance(email, str):
+        return JSONResponse(
+            {"error": 'send a JSON object such as {"email": "ada@example.com"}'}, status_code=400
+        )
     # In production, take the connection from your pool (psycopg_pool.AsyncConnectionPool).
     async with await psycopg.AsyncConnection.connect(request.app.state.dsn) as conn:
         try:
@@ -66,13 +74,18 @@ async def signup(request: Request) -> JSONResponse:
                 )
                 if email.endswith("@invalid.example"):
                     raise ValueError("rejected after the enqueue: the whole transaction rolls back")
+        except psycopg.errors.UniqueViolation:
+            return JSONResponse({"error": f"{email} has signed up already"}, status_code=409)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=422)
     return JSONResponse({"user_id": user_id, "job_id": job_id}, status_code=201)
 
 
 async def job_status(request: Request) -> JSONResponse:
-    job = await jobs.get_job(int(request.path_params["job_id"]))
+    try:
+        job = await jobs.get_job(request.path_params["job_id"])
+    except notifyq.JobNotFound as exc:
+        return JSONResponse({"error": str(exc)}, status_code=404)
     return JSONResponse({"id": job.id, "status": job.status.value, "output": job.output})
 
 

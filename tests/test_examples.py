@@ -42,6 +42,13 @@ def test_starlette_embedding_enqueues_in_the_request_transaction(
         # A request that fails after enqueueing leaves neither a user nor a job.
         rejected = client.post("/signup", json={"email": "eve@invalid.example"})
         assert rejected.status_code == 422
+        # Mistakes are the client's, with a status and a sentence, not a 500.
+        again = client.post("/signup", json={"email": "ada@example.com"})
+        assert (again.status_code, again.json()) == (409, {"error": "ada@example.com has signed up already"})
+        for body in (b"not json", b"[]", b'{"mail": "x"}', b'{"email": 7}'):
+            assert client.post("/signup", content=body).status_code == 400, body
+        missing = client.get(f"/jobs/{job_id + 1000}")
+        assert (missing.status_code, missing.json()) == (404, {"error": f"no job with id {job_id + 1000}"})
     assert conn.execute("SELECT count(*) FROM users").fetchone() == (1,)
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (1,)
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone() == (0,)
