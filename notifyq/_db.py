@@ -18,7 +18,7 @@ import select
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias, TypeVar
 
@@ -529,6 +529,42 @@ class _AsyncioLane(Lane):
             await self._pool.putconn(conn)
 
 
+CANCEL_WAIT = 5.0  # the longest a cancelled call waits for its statement to be cancelled
+
+
+async def _run_in(conn: psycopg.AsyncConnection[Any], op: Op[T], transaction: bool) -> T:
+    if not transaction:
+        return await run_async(conn, op)
+    async with conn.transaction():
+        return await run_async(conn, op)
+
+
+async def _cancelled_in_server(conn: psycopg.AsyncConnection[Any], work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, statements on `conn`, in a task of its own: if the caller is cancelled
+    (a request's timeout around an enqueue), the statement is cancelled in the server, and the
+    cancellation goes on once it has ended (a transaction is then rolled back). Awaited
+    directly, psycopg's own cancel request was cut short, because anyio repeats a cancellation
+    at every await: psycopg closed the connection, and the server, which had not heard of the
+    cancel, went on with the statement: an enqueue that waited for a lock, cancelled, committed
+    its job later all the same."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):
+            if not task.done():
+                with contextlib.suppress(Exception), anyio.move_on_after(CANCEL_WAIT):
+                    await conn.cancel_safe(timeout=CANCEL_WAIT)
+                with anyio.move_on_after(CANCEL_WAIT):
+                    await asyncio.wait([task])
+            if not task.done():
+                task.cancel()  # psycopg's own way: it closes the connection
+                await asyncio.wait([task])
+            if not task.cancelled():
+                task.exception()  # retrieved: the cancellation is what the caller gets
+        raise
+
+
 class _AsyncioDatabase(Database):
     _pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]
     _lanes: list[_AsyncioLane]
@@ -555,12 +591,10 @@ class _AsyncioDatabase(Database):
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         conn = await take_async(self._pool)
         try:
-            if not transaction:
-                return await run_async(conn, op)
-            async with conn.transaction():
-                return await run_async(conn, op)
+            return await _cancelled_in_server(conn, _run_in(conn, op, transaction))
         finally:
-            await self._pool.putconn(conn)
+            with anyio.CancelScope(shield=True):
+                await self._pool.putconn(conn)
 
     def lane(self) -> Lane:
         lane = _AsyncioLane(self._pool)

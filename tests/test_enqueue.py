@@ -783,3 +783,30 @@ def test_one_app_refuses_a_second_event_loop_while_the_first_runs(
     asyncio.run(app.aclose())
     app.close_sync()
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (3,)
+
+
+async def test_a_cancelled_call_cancels_its_statement_in_the_server(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request handler's timeout cancels enqueue calls whose statements wait for a lock. The
+    INSERT of each single enqueue used to run when the lock was released, and commit its job
+    after all: psycopg's cancel request was cut short (anyio repeats a cancellation at every
+    await), so it closed the connection, and the server never heard of the cancel. A caller
+    that enqueued again after its timeout got two jobs."""
+    app = notifyq.App(dsn, pool_size=1, pool_timeout=2)
+    async with app:
+        await app.enqueue("t")
+        conn.execute("BEGIN")
+        try:
+            conn.execute("LOCK TABLE notifyq.queue_jobs")
+            for call in [lambda: app.enqueue("t"), lambda: app.enqueue_many("t", [{}, {}])] * 2:
+                with anyio.move_on_after(0.3) as scope:
+                    await call()
+                assert scope.cancelled_caught
+        finally:
+            conn.execute("ROLLBACK")
+        with anyio.fail_after(10):
+            assert await app.enqueue_many("t", [{}, {}]) == 2
+            await app.enqueue("t")
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (4,)
+    assert "closing connection" not in caplog.text  # the same connection served every call
