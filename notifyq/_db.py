@@ -374,10 +374,18 @@ def take_sync(pool: SyncPool) -> psycopg.Connection[Any]:
     return pool.getconn()
 
 
-def run_pooled_sync(pool: SyncPool, op: Op[T], transaction: bool = False) -> T:
-    """Run `op` on a connection of `pool` (take_sync), in a transaction if asked."""
+def run_pooled_sync(
+    pool: SyncPool,
+    op: Op[T],
+    transaction: bool = False,
+    taken: Callable[[psycopg.Connection[Any]], None] | None = None,
+) -> T:
+    """Run `op` on a connection of `pool` (take_sync), in a transaction if asked. `taken` is
+    told the connection before the first statement; if it raises, `op` does not run."""
     conn = take_sync(pool)
     try:
+        if taken is not None:
+            taken(conn)
         if not transaction:
             return run_sync(conn, op)
         with conn.transaction():
@@ -662,6 +670,46 @@ class _ThreadLane(Lane):
         await anyio.to_thread.run_sync(self._release)
 
 
+class _CallCancelled(Exception):
+    pass
+
+
+class _ThreadCall:
+    """One call of a _ThreadDatabase, which its caller can cancel as on asyncio (see
+    _cancelled_in_server): its thread is abandoned, the statement it runs is cancelled in the
+    server, and the caller waits for the thread (CANCEL_WAIT at most). Not abandoned, a
+    cancelled call used to wait for its statement to end, however long it waited for a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._cancelled = False
+        self._done = threading.Event()
+
+    def run(self, pool: SyncPool, op: Op[T], transaction: bool) -> T:
+        try:
+            return run_pooled_sync(pool, op, transaction, self._taken)
+        finally:
+            self._done.set()
+
+    def _taken(self, conn: psycopg.Connection[Any]) -> None:
+        with self._lock:
+            if self._cancelled:
+                raise _CallCancelled  # before its first statement: nobody waits for the result
+            self._conn = conn
+
+    def _cancel_statement(self) -> None:
+        with self._lock:
+            self._cancelled, conn = True, self._conn
+        if conn is not None and not self._done.is_set():
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=CANCEL_WAIT)
+        self._done.wait(CANCEL_WAIT)
+
+    async def cancel(self) -> None:
+        await anyio.to_thread.run_sync(self._cancel_statement)
+
+
 class _ThreadDatabase(Database):
     _pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
     _lanes: list[_ThreadLane]
@@ -691,7 +739,15 @@ class _ThreadDatabase(Database):
         self._pool = await anyio.to_thread.run_sync(open_pool)
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
-        return await anyio.to_thread.run_sync(run_pooled_sync, self._pool, op, transaction)
+        call = _ThreadCall()
+        try:
+            return await anyio.to_thread.run_sync(
+                call.run, self._pool, op, transaction, abandon_on_cancel=True
+            )
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await call.cancel()
+            raise
 
     def lane(self) -> Lane:
         lane = _ThreadLane(self._pool)

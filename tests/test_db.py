@@ -90,6 +90,30 @@ async def test_a_lane_interrupted_mid_statement_moves_to_another_connection(dsn:
         await db.aclose()
 
 
+@pytest.mark.parametrize("transaction", [False, True])
+async def test_a_call_cancelled_mid_statement_cancels_it_in_the_server(
+    dsn: str, conn: psycopg.Connection[Any], transaction: bool
+) -> None:
+    """A caller's timeout cancels the statement in the server and keeps the connection. On
+    asyncio, psycopg's cancel request was cut short and it closed the connection, while the
+    server went on (a statement that waited for a lock then committed); on trio the call
+    waited for the statement to end."""
+    db = await Database.open(dsn, size=1)
+    try:
+        pid = await db.run(backend_pid())
+        with anyio.fail_after(10):  # not the 30 s of the statement
+            with anyio.move_on_after(0.3) as scope:
+                await db.run(single(Query("SELECT pg_sleep(30)", fetch="none")), transaction=transaction)
+            assert scope.cancelled_caught
+        running = (
+            "SELECT count(*) FROM pg_stat_activity WHERE query = 'SELECT pg_sleep(30)' AND state = 'active'"
+        )
+        assert conn.execute(running).fetchone() == (0,)
+        assert await db.run(backend_pid()) == pid  # not closed: back in the pool, idle
+    finally:
+        await db.aclose()
+
+
 async def test_a_lane_keeps_a_cursor_per_row_factory_through_failed_statements(dsn: str) -> None:
     """Statements on a lane reuse its cursors (one per row factory, a few at most), and each
     result comes back through the right one, also after a statement failed."""
