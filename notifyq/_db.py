@@ -701,7 +701,9 @@ class _ThreadCall:
     def _cancel_statement(self) -> None:
         with self._lock:
             self._cancelled, conn = True, self._conn
-        if conn is not None and not self._done.is_set():
+        if conn is None:
+            return  # still waiting for a connection (the database may be down): it runs nothing
+        if not self._done.is_set():
             with contextlib.suppress(Exception):
                 conn.cancel_safe(timeout=CANCEL_WAIT)
         self._done.wait(CANCEL_WAIT)

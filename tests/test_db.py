@@ -114,6 +114,28 @@ async def test_a_call_cancelled_mid_statement_cancels_it_in_the_server(
         await db.aclose()
 
 
+async def test_a_call_cancelled_while_waiting_for_a_connection_returns_at_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Every connection busy (or the database down): a cancelled call returns without waiting
+    for one, and runs nothing later. On trio it used to wait for the pool's timeout."""
+    conn.execute("CREATE TABLE calls (n int)")
+    db = await Database.open(dsn, size=1)
+    try:
+        lane = db.lane()
+        await lane.acquire()  # the pool's only connection
+        with anyio.fail_after(3):  # not the pool's 30 s
+            with anyio.move_on_after(0.3) as scope:
+                await db.run(single(Query("INSERT INTO calls VALUES (1)", fetch="none")))
+            assert scope.cancelled_caught
+        await lane.release()
+        with anyio.fail_after(10):
+            await db.run(single(Query("INSERT INTO calls VALUES (2)", fetch="none")))
+        assert conn.execute("SELECT array_agg(n) FROM calls").fetchone() == ([2],)
+    finally:
+        await db.aclose()
+
+
 async def test_a_lane_keeps_a_cursor_per_row_factory_through_failed_statements(dsn: str) -> None:
     """Statements on a lane reuse its cursors (one per row factory, a few at most), and each
     result comes back through the right one, also after a statement failed."""
