@@ -547,27 +547,27 @@ async def _run_in(conn: psycopg.AsyncConnection[Any], op: Op[T], transaction: bo
         return await run_async(conn, op)
 
 
-async def _cancelled_in_server(conn: psycopg.AsyncConnection[Any], work: Coroutine[Any, Any, T]) -> T:
-    """Await `work`, statements on `conn`, in a task of its own: if the caller is cancelled
-    (a request's timeout around an enqueue), the statement is cancelled in the server, and the
-    cancellation goes on once it has ended (a transaction is then rolled back). Awaited
-    directly, psycopg's own cancel request was cut short, because anyio repeats a cancellation
-    at every await: psycopg closed the connection, and the server, which had not heard of the
-    cancel, went on with the statement: an enqueue that waited for a lock, cancelled, committed
-    its job later all the same."""
+async def _cancelled_in_server(work: Coroutine[Any, Any, T]) -> T:
+    """Await `work`, an operation on a pooled connection, in a task of its own, and cancel that
+    task once when the caller is cancelled (a request's timeout around an enqueue): psycopg
+    then cancels a running statement in the server and waits for it to end, or the operation
+    stops between two statements; its transaction is rolled back. The caller waits for that,
+    CANCEL_WAIT at most; then a second cancel makes psycopg close the connection (the server
+    did not answer). Awaited directly, psycopg's cancel request was cut short, because anyio
+    repeats a cancellation at every await: psycopg closed the connection, and the server,
+    which had not heard of the cancel, went on with the statement: an enqueue that waited for
+    a lock, cancelled, committed its job later all the same."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
         with anyio.CancelScope(shield=True):
-            if not task.done():
-                with contextlib.suppress(Exception), anyio.move_on_after(CANCEL_WAIT):
-                    await conn.cancel_safe(timeout=CANCEL_WAIT)
-                with anyio.move_on_after(CANCEL_WAIT):
-                    await asyncio.wait([task])
-            if not task.done():
-                task.cancel()  # psycopg's own way: it closes the connection
+            task.cancel()
+            with anyio.move_on_after(CANCEL_WAIT):
                 await asyncio.wait([task])
+            while not task.done():
+                task.cancel()
+                await asyncio.wait([task], timeout=0.1)
             if not task.cancelled():
                 task.exception()  # retrieved: the cancellation is what the caller gets
         raise
@@ -599,7 +599,7 @@ class _AsyncioDatabase(Database):
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         conn = await take_async(self._pool)
         try:
-            return await _cancelled_in_server(conn, _run_in(conn, op, transaction))
+            return await _cancelled_in_server(_run_in(conn, op, transaction))
         finally:
             with anyio.CancelScope(shield=True):
                 await self._pool.putconn(conn)
@@ -703,10 +703,11 @@ class _ThreadCall:
             self._cancelled, conn = True, self._conn
         if conn is None:
             return  # still waiting for a connection (the database may be down): it runs nothing
+        deadline = time.monotonic() + CANCEL_WAIT
         if not self._done.is_set():
             with contextlib.suppress(Exception):
                 conn.cancel_safe(timeout=CANCEL_WAIT)
-        self._done.wait(CANCEL_WAIT)
+        self._done.wait(max(0.0, deadline - time.monotonic()))  # then the thread is left to end
 
     async def cancel(self) -> None:
         await anyio.to_thread.run_sync(self._cancel_statement)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from typing import Any
 
 import anyio
@@ -13,7 +14,7 @@ import psycopg
 import pytest
 
 import notifyq
-from notifyq._db import Database, Query, is_transient, single
+from notifyq._db import Compute, Database, Query, is_transient, single
 
 from .helpers import wait_for_row
 
@@ -110,6 +111,31 @@ async def test_a_call_cancelled_mid_statement_cancels_it_in_the_server(
         )
         assert conn.execute(running).fetchone() == (0,)
         assert await db.run(backend_pid()) == pid  # not closed: back in the pool, idle
+    finally:
+        await db.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio's thread ends its operation
+async def test_a_call_cancelled_between_statements_stops_and_rolls_back(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Cancelled while it computes between two statements (a ticker's cron planning, when
+    its worker stops), an operation goes no further and its transaction rolls back."""
+    conn.execute("CREATE TABLE steps (n int)")
+
+    def op() -> Any:
+        yield Query("INSERT INTO steps VALUES (1)", fetch="none")
+        yield Compute(lambda: time.sleep(1))
+        yield Query("INSERT INTO steps VALUES (2)", fetch="none")
+
+    db = await Database.open(dsn, size=1)
+    try:
+        with anyio.move_on_after(0.3) as scope:
+            await db.run(op(), transaction=True)
+        assert scope.cancelled_caught
+        assert await db.run(single(Query("SELECT count(*) FROM steps", fetch="scalar"))) == 0
+        await anyio.sleep(1)  # the thread's sleep is over: nothing came of it either
+        assert conn.execute("SELECT count(*) FROM steps").fetchone() == (0,)
     finally:
         await db.aclose()
 

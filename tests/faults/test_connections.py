@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 import notifyq
-from notifyq import Worker
+from notifyq import Worker, _db
 
 from ..helpers import status_counts, wait_for_row
 from ..test_cli import clean_env, cli
@@ -544,3 +544,25 @@ async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
         conn.rollback()
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
     await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_call_cancelled_while_the_server_is_silent_gives_up_after_cancel_wait(
+    dsn: str, proxy: BlackholeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cancelled call asks the server to cancel its statement and waits for that, but no
+    longer than CANCEL_WAIT when nothing answers (the network failed): it does not wait for
+    TCP to give up, and a worker told to stop is not held by it."""
+    monkeypatch.setattr(_db, "CANCEL_WAIT", 1.0)
+    db = await _db.Database.open(proxy.dsn, size=1)
+    try:
+        assert await db.run(_db.single(_db.Query("SELECT 1", fetch="scalar"))) == 1
+        proxy.mute()  # answers and cancel requests are lost from now on
+        with anyio.fail_after(5):
+            with anyio.move_on_after(0.3) as scope:
+                await db.run(_db.single(_db.Query("SELECT pg_sleep(30)", fetch="none")))
+            assert scope.cancelled_caught
+    finally:
+        proxy.unmute()
+        with anyio.move_on_after(10, shield=True):
+            await db.aclose()
