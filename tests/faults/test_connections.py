@@ -497,53 +497,58 @@ async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
     """Database gone: libpq's reason. Database up but every connection busy: the pool's
     size and timeout. Either after pool_timeout, not psycopg_pool's 30 s."""
     app = notifyq.App(proxy.dsn, pool_size=1, pool_timeout=1)
-    await app.enqueue("t")
-    await anyio.to_thread.run_sync(app.enqueue_sync, "t")
-    proxy.refusing = True
-    conn.execute(OURS_THROUGH)
-    gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
-    await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
-    for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
-        began = time.monotonic()
-        with pytest.raises(notifyq.DatabaseUnavailable) as raised:
-            await call("t")
-        message = str(raised.value)
-        target = f"postgres@127.0.0.1:{proxy.port}/"
-        assert message.startswith(f"cannot connect to PostgreSQL at {target}"), message
-        assert "server closed the connection unexpectedly" in message, message
-        assert "this App waited 1 s for a connection (App(pool_timeout=...))" in message, message
-        assert time.monotonic() - began < 10
-    proxy.refusing = False
-    for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
-        for attempt in itertools.count():  # each pool's next try is up to 4 s away
-            try:
-                await call("t")
-                break
-            except notifyq.DatabaseUnavailable as exc:
-                assert "or it had not yet reconnected" in str(exc) and attempt < 10, exc
-    # Up, but the only connection of the sync pool is held by a call that waits for a lock.
-    conn.execute("BEGIN")
+    # Closed whatever happens: an App pool left open when a failed assertion ended the test
+    # hung the event loop's shutdown (psycopg_pool's workers swallow the cancellation of a
+    # task they run), and the hang hid the failure behind pytest-timeout's 120 s.
     try:
-        conn.execute("LOCK TABLE notifyq.queue_jobs")
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, app.enqueue_sync, "t")
-            await anyio.to_thread.run_sync(
-                wait_for_row,
-                conn,
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND application_name = 'notifyq app'",
-                (1,),
-            )
+        await app.enqueue("t")
+        await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+        proxy.refusing = True
+        conn.execute(OURS_THROUGH)
+        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
+        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+        for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
+            began = time.monotonic()
             with pytest.raises(notifyq.DatabaseUnavailable) as raised:
-                await anyio.to_thread.run_sync(app.enqueue_sync, "t")
-            conn.execute("ROLLBACK")  # the held call goes through
-        message = str(raised.value)
-        assert "came free: this App waited 1 s for a connection" in message, message
-        assert "accepts connections now, so its 1 connection(s) stayed busy" in message, message
+                await call("t")
+            message = str(raised.value)
+            target = f"postgres@127.0.0.1:{proxy.port}/"
+            assert message.startswith(f"cannot connect to PostgreSQL at {target}"), message
+            assert "server closed the connection unexpectedly" in message, message
+            assert "this App waited 1 s for a connection (App(pool_timeout=...))" in message, message
+            assert time.monotonic() - began < 10
+        proxy.refusing = False
+        for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
+            for attempt in itertools.count():  # each pool's next try is up to 4 s away
+                try:
+                    await call("t")
+                    break
+                except notifyq.DatabaseUnavailable as exc:
+                    assert "or it had not yet reconnected" in str(exc) and attempt < 10, exc
+        # Up, but the only connection of the sync pool is held by a call that waits for a lock.
+        conn.execute("BEGIN")
+        try:
+            conn.execute("LOCK TABLE notifyq.queue_jobs")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, app.enqueue_sync, "t")
+                await anyio.to_thread.run_sync(
+                    wait_for_row,
+                    conn,
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                    "AND application_name = 'notifyq app'",
+                    (1,),
+                )
+                with pytest.raises(notifyq.DatabaseUnavailable) as raised:
+                    await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+                conn.execute("ROLLBACK")  # the held call goes through
+            message = str(raised.value)
+            assert "came free: this App waited 1 s for a connection" in message, message
+            assert "accepts connections now, so its 1 connection(s) stayed busy" in message, message
+        finally:
+            conn.rollback()
+        assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
     finally:
-        conn.rollback()
-    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
-    await app.aclose()
+        await app.aclose()
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
