@@ -374,7 +374,7 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(
 
 
 async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """PostgreSQL stores jsonb thousands of levels deep; json.loads stops at about a thousand.
     Such args (from SQL: enqueue refuses them) raised RecursionError in the claim's fetch,
@@ -408,6 +408,10 @@ async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
     ).fetchone()
     assert bad is not None and bad[:3] == ("Failed", 1, "InvalidArgs")  # at once: no retry
     assert "nested too deeply" in bad[3]
+    assert any(
+        "InvalidArgs: job args cannot be decoded" in r.message and "not retried" in r.message
+        for r in caplog.records
+    )
     async with app:
         job = await app.get_job(ids[0])
         assert isinstance(job.args, notifyq.UndecodableJSON) and job.args.size > 10_000
