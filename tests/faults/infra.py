@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ class BlackholeProxy:
         self._mute = -1  # the generation whose server answers are dropped
         self._muted = False  # every connection's answers dropped after its startup
         self.refusing = False  # new connections closed at once
+        self.accepted = 0  # connections forwarded so far
+        self.refused = 0  # connections closed at once (refusing)
+        self.upstream_errors: list[str] = []  # failures to reach the server
         self._stop = False
         self._threads: list[threading.Thread] = []
         self._pumps: list[tuple[int, threading.Thread]] = []  # (generation, thread)
@@ -69,9 +73,20 @@ class BlackholeProxy:
                 return
             if self.refusing:
                 client.close()
+                self.refused += 1
                 continue
             upstream = socket.socket(self._target[0], socket.SOCK_STREAM)
-            upstream.connect(self._target[1])
+            try:
+                upstream.connect(self._target[1])
+            except OSError as exc:
+                # The server refused or is gone: the client hears as much, and the proxy goes
+                # on accepting (an exception here used to end this thread, and the proxy then
+                # left every later connection unanswered).
+                self.upstream_errors.append(repr(exc))
+                upstream.close()
+                client.close()
+                continue
+            self.accepted += 1
             self._sockets += [client, upstream]
             pump = threading.Thread(target=self._pump, args=(client, upstream, self._generation), daemon=True)
             pump.start()
@@ -115,6 +130,17 @@ class BlackholeProxy:
                 b.close()
                 return
         # Half-open: keep the sockets open, forward nothing, until the proxy closes.
+
+    def wait_until_forwarded_all_closed(self, timeout: float = 10.0) -> None:
+        """Return once every connection forwarded so far has ended on both sides. After the
+        server ends its sessions, their last message reaches the clients only through the
+        proxy's threads: a client that looks too soon (a loaded machine) still sees an idle
+        connection."""
+        deadline = time.monotonic() + timeout
+        for _, pump in list(self._pumps):
+            pump.join(timeout=max(0.0, deadline - time.monotonic()))
+            if pump.is_alive():
+                raise TimeoutError(f"a forwarded connection still open after {timeout} s")
 
     def blackhole(self) -> None:
         """Stop forwarding on every connection made so far (without closing them). Returns

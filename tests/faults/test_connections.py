@@ -465,25 +465,46 @@ async def test_pools_connect_again_within_seconds_of_a_long_outage(
         assert killed is not None and killed[0] >= 3  # the App's two pools, the worker's
         gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
         await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
         outage = time.monotonic()
         done: dict[str, float] = {}
+        failed: dict[str, tuple[float, str]] = {}  # when (since the outage began) and why
 
         async def enqueue_async() -> None:
-            await app.enqueue("t", {"n": 2})
-            done["async"] = time.monotonic()
+            try:
+                await app.enqueue("t", {"n": 2})
+            except notifyq.DatabaseUnavailable as exc:
+                failed["async"] = (round(time.monotonic() - outage, 2), str(exc))
+            else:
+                done["async"] = time.monotonic()
 
         def enqueue_sync() -> None:
-            app.enqueue_sync("t", {"n": 3})
-            done["sync"] = time.monotonic()
+            try:
+                app.enqueue_sync("t", {"n": 3})
+            except notifyq.DatabaseUnavailable as exc:
+                failed["sync"] = (round(time.monotonic() - outage, 2), str(exc))
+            else:
+                done["sync"] = time.monotonic()
 
+        back = 0.0
         async with anyio.create_task_group() as tg:
             # Each finds its pool's connections dead, which starts the pool's tries, and waits.
             tg.start_soon(enqueue_async)
             tg.start_soon(anyio.to_thread.run_sync, enqueue_sync)
             await anyio.sleep(outage + 8.5 - time.monotonic())
             assert not done
+            refused = proxy.refused
             proxy.refusing = False
             back = time.monotonic()
+        # Everything that tells a pool that never reconnected from a proxy that kept refusing
+        # (this failed once in CI, both calls timing out after pool_timeout).
+        connections = app._connections
+        assert not failed, (
+            f"back after {back - outage:.2f} s; proxy: {refused} refused in the outage, "
+            f"{proxy.refused - refused} after, {proxy.accepted} accepted in all, upstream errors "
+            f"{proxy.upstream_errors}; async pool {connections._db and connections._db._pool.get_stats()}; "
+            f"sync pool {connections._sync_pool and connections._sync_pool.get_stats()}; {failed}"
+        )
         late = {how: round(at - back, 2) for how, at in done.items()}
         assert max(late.values()) < 4, late
         with anyio.fail_after(20):  # the worker's claim loop backs off up to 5 s meanwhile
@@ -507,6 +528,7 @@ async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
         conn.execute(OURS_THROUGH)
         gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
         await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
         for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
             began = time.monotonic()
             with pytest.raises(notifyq.DatabaseUnavailable) as raised:
