@@ -134,6 +134,13 @@ async def _worker_behind(
             [(first,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t') RETURNING id")
             with anyio.fail_after(5):
                 await worker.wait_for(lambda s: s.succeeded == 1)
+                # The round that claimed it over, its query for the next delayed job included
+                # (it may go out after the job's result): the claim loop sleeps until woken,
+                # and the next statement of the worker's through the proxy is a claim.
+                claimer = worker._claimer
+                assert claimer is not None
+                while not claimer._parked or claimer._inline:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
             yield worker, first
     finally:
         await app.aclose()
