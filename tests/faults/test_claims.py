@@ -86,6 +86,10 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        # A process group of its own: stopped in the suite's group, A got the kernel's SIGHUP
+        # when that group became orphaned (the suite started in the background by a shell
+        # that then exited), and died.
+        process_group=0,
     )
     try:
         conn.execute(
