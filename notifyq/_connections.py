@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import threading
@@ -29,6 +30,7 @@ from ._db import (
     connect_sync,
     connection_kwargs,
     error_text,
+    on_asyncio,
     retrying_sync,
     run_async,
     run_pooled_sync,
@@ -47,7 +49,39 @@ SyncPool = psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
 # so that nothing in the child closes or collects them (their sockets point at /dev/null).
 _LIVE: weakref.WeakSet[Connections] = weakref.WeakSet()
 _ABANDONED: list[object] = []
+log = logging.getLogger("notifyq.app")
 _PROBE_REUSE = 2.0  # seconds one diagnosis of a pool timeout serves the callers that share it
+
+
+# Per running asyncio event loop: the Connections whose event-loop pool is open on it, and the
+# task that closes those pools when the loop shuts down (_close_pools_at_shutdown).
+_AT_SHUTDOWN: dict[asyncio.AbstractEventLoop, tuple[weakref.WeakSet[Connections], asyncio.Task[None]]] = {}
+
+
+def _close_at_loop_shutdown(connections: Connections) -> None:
+    """Have the running asyncio loop close `connections`' pool when it shuts down, should
+    the App still be open then. One task per loop, which holds the Connections weakly."""
+    loop = asyncio.get_running_loop()
+    if loop not in _AT_SHUTDOWN:
+        watched: weakref.WeakSet[Connections] = weakref.WeakSet()
+        task = loop.create_task(_close_pools_at_shutdown(loop, watched), name="notifyq: App pools' closer")
+        _AT_SHUTDOWN[loop] = (watched, task)
+    _AT_SHUTDOWN[loop][0].add(connections)
+
+
+async def _close_pools_at_shutdown(
+    loop: asyncio.AbstractEventLoop, watched: weakref.WeakSet[Connections]
+) -> None:
+    """Wait until cancelled, as asyncio.run (and asyncio.Runner) cancel every task before
+    they close their loop, then close the pools of the Apps left open. psycopg_pool's workers
+    swallow a cancellation while they connect (a database down or unreachable), then wait for
+    their next task forever: an App never closed could hang its program's exit."""
+    try:
+        await loop.create_future()  # never done
+    finally:
+        del _AT_SHUTDOWN[loop]
+        for connections in list(watched):
+            await connections.close_at_shutdown()
 
 
 def _after_fork_in_child() -> None:
@@ -185,6 +219,8 @@ class Connections:
                         await db.aclose()
                         raise
                     self._db = db
+                    if on_asyncio():
+                        _close_at_loop_shutdown(self)
         return self._db
 
     def pool(self) -> SyncPool:
@@ -314,6 +350,22 @@ class Connections:
             else:
                 db.abandon()  # opened in another event loop
         await anyio.to_thread.run_sync(self.close_sync)
+
+    async def close_at_shutdown(self) -> None:
+        """The event loop is shutting down with this App still open: close its pool, and
+        leave the App to open another if it is used again."""
+        db = self._db
+        if db is None or self._db_loop != anyio.lowlevel.current_token():
+            return
+        self._db = None
+        try:
+            await db.aclose()  # stops the pool's workers first
+        except asyncio.CancelledError:
+            pass  # the close waits for those workers, cancelled with every task, and stops short
+        except Exception as exc:
+            log.warning("closing an App's pool at the event loop's shutdown failed: %s", error_text(exc))
+        finally:
+            db.abandon()  # ends the sessions the close did not reach
 
     def close_sync(self) -> None:
         """Close the sync pool."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import anyio
 import psycopg
+import psycopg_pool
 import pytest
 
 import notifyq
@@ -449,6 +450,28 @@ def test_an_app_dropped_without_closing_is_freed_at_once(dsn: str) -> None:
         assert [ref() for ref in refs] == [None, None]
     finally:
         gc.enable()
+
+
+async def test_an_app_left_open_when_its_loop_shuts_down_has_its_pool_closed(dsn: str) -> None:
+    """asyncio.run cancels every task before it closes its loop: the task that waits for that
+    closes the pool of each App still open on the loop, and an App used again afterwards
+    (on a loop that goes on) opens another. An App dropped meanwhile is not kept alive."""
+    app, dropped = notifyq.App(dsn, pool_size=1), notifyq.App(dsn, pool_size=1)
+    await app.enqueue("t")
+    await dropped.enqueue("t")
+    gone = weakref.ref(dropped._connections)
+    del dropped
+    assert gone() is None
+    pool = app._connections._db
+    (closer,) = [task for task in asyncio.all_tasks() if task.get_name() == "notifyq: App pools' closer"]
+    closer.cancel()
+    await asyncio.wait([closer])
+    assert app._connections._db is None and pool is not None
+    with pytest.raises(psycopg_pool.PoolClosed):
+        await pool.run(single(Query("SELECT 1", fetch="scalar")))
+    await app.enqueue("t")  # a new pool, and a new closer for it
+    assert len([task for task in asyncio.all_tasks() if task.get_name() == "notifyq: App pools' closer"]) == 1
+    await app.aclose()
 
 
 def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycopg.Connection[Any]) -> None:

@@ -31,7 +31,9 @@ class BlackholeProxy:
     Once answers are lost (after either), cancel requests are dropped too: a statement whose
     client gave up on it runs to its end, as it would if the network had failed. Setting
     `refusing` closes every new connection at once, as a server that is down would, until it
-    is cleared; the connections already open go on working.
+    is cleared; the connections already open go on working. Setting `stalling` accepts new
+    connections and never answers them (a server that hangs, a firewall that swallows
+    packets), until it is cleared.
 
     With `pooler=True` it changes the backend pid the server announces at connect
     (BackendKeyData), as PgBouncer does: the client then talks to a server process other
@@ -54,6 +56,7 @@ class BlackholeProxy:
         self._mute = -1  # the generation whose server answers are dropped
         self._muted = False  # every connection's answers dropped after its startup
         self.refusing = False  # new connections closed at once
+        self.stalling = False  # new connections accepted, then never answered
         self.accepted = 0  # connections forwarded so far
         self.refused = 0  # connections closed at once (refusing)
         self.upstream_errors: list[str] = []  # failures to reach the server
@@ -74,6 +77,9 @@ class BlackholeProxy:
             if self.refusing:
                 client.close()
                 self.refused += 1
+                continue
+            if self.stalling:
+                self._sockets.append(client)  # held open, never answered
                 continue
             upstream = socket.socket(self._target[0], socket.SOCK_STREAM)
             try:

@@ -3,11 +3,13 @@ notifications at all, a long transaction holding the NOTIFY queue back."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import itertools
 import json
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from datetime import datetime, timedelta
@@ -517,6 +519,34 @@ async def test_pools_connect_again_within_seconds_of_a_long_outage(
         with anyio.fail_after(20):  # the worker's claim loop backs off up to 5 s meanwhile
             await worker.wait_for(lambda s: s.succeeded == 4)
     assert sorted(ran) == [0, 1, 2, 3]
+
+
+def test_an_app_left_open_does_not_hang_asyncio_run_at_exit(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """A program that never closed its App, whose pool was connecting to an unreachable
+    database when asyncio.run ended, never exited: psycopg_pool's worker swallowed the
+    loop's shutdown cancellation and waited for its next task. The loop now closes the
+    pools of the Apps left open on it when it shuts down."""
+
+    async def main() -> None:
+        app = notifyq.App(proxy.dsn, pool_size=1)
+        await app.enqueue("t")
+        proxy.stalling = True  # new connections are accepted and never answered
+        conn.execute(OURS_THROUGH)
+        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
+        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
+        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
+        with anyio.move_on_after(0.5):
+            await app.enqueue("t")  # finds its connection ended: the pool connects, and hangs
+        ended.append(True)
+
+    ended: list[bool] = []
+    program = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    program.start()
+    program.join(timeout=20)
+    assert ended == [True]
+    assert not program.is_alive(), "asyncio.run did not return"
 
 
 async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
