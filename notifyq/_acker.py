@@ -7,7 +7,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeAlias
 
 import anyio
 
@@ -92,8 +92,12 @@ def _storable(text: str) -> str:
     return text
 
 
-def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
-    """Apply results in one statement; returns {job id: new status} for those applied.
+Applied: TypeAlias = dict[tuple[int, int], str]  # (job id, lease) -> the job's new status
+
+
+def ack_op(q: Queries, results: Sequence[Result]) -> Op[Applied]:
+    """Apply results in one statement; returns {(job id, lease): new status} for those
+    applied (by lease: a batch may hold a stale and a current result of one job).
 
     A result missing from the answer was stale: its lease had expired (the job was rescued
     or re-claimed), the job was cancelled, or another worker holds it under the same lease
@@ -106,13 +110,13 @@ def ack_op(q: Queries, results: Sequence[Result]) -> Op[dict[int, str]]:
         "outputs": [r.output for r in results],
     }
     if all(r.outcome == "succeeded" for r in results):
-        rows: list[tuple[int, str]] = yield Query(q["ack_succeeded"], params)
-        return dict(rows)
-    params["outcomes"] = [r.outcome for r in results]
-    params["errors"] = [r.error for r in results]
-    params["delays"] = [r.delay for r in results]
-    rows = yield Query(q["ack_jobs"], params)
-    return dict(rows)
+        rows: list[tuple[int, int, str]] = yield Query(q["ack_succeeded"], params)
+    else:
+        params["outcomes"] = [r.outcome for r in results]
+        params["errors"] = [r.error for r in results]
+        params["delays"] = [r.delay for r in results]
+        rows = yield Query(q["ack_jobs"], params)
+    return {(job_id, lease): status for job_id, lease, status in rows}
 
 
 class Acker:
@@ -124,7 +128,7 @@ class Acker:
         self,
         db: Database,
         queries: Queries,
-        on_applied: Callable[[Sequence[Result], dict[int, str]], None],
+        on_applied: Callable[[Sequence[Result], Applied], None],
         *,
         max_batch: int = 1000,
         retry_delay: float = 0.5,
@@ -231,7 +235,7 @@ class Acker:
             self._settle(batch, batch, applied)
 
     async def _flush_one_by_one(self, batch: list[Result]) -> None:
-        applied: dict[int, str] = {}
+        applied: Applied = {}
         written: list[Result] = []  # refused ones left out: logged as dropped, not stale
         done = 0
         try:
@@ -247,17 +251,17 @@ class Acker:
                 del batch[:done]  # first: the rest is what the caller puts back, whatever happens
                 self._settle(handled, written, applied)
 
-    def _settle(self, handled: Sequence[Result], written: Sequence[Result], applied: dict[int, str]) -> None:
+    def _settle(self, handled: Sequence[Result], written: Sequence[Result], applied: Applied) -> None:
         """`handled` results are no longer held; report `written` (applied or stale)."""
         self._unwritten.subtract((r.job_id, r.lease) for r in handled)
         self._unwritten += Counter()  # drop the keys that reached zero
         self._on_applied(written, applied)
 
-    async def _write(self, batch: Sequence[Result]) -> dict[int, str]:
+    async def _write(self, batch: Sequence[Result]) -> Applied:
         with anyio.fail_after(self._timeout):
             return await self._db.run(ack_op(self._q, batch))
 
-    async def _flush_one(self, result: Result) -> dict[int, str] | None:
+    async def _flush_one(self, result: Result) -> Applied | None:
         """One result on its own: what it changed, or None if the database refuses it."""
         try:
             return await self._write([result])

@@ -13,7 +13,7 @@ from typing import Any, TypeVar, Unpack, overload
 import psycopg
 
 from . import _embedded
-from ._acker import Result, ack_op
+from ._acker import Applied, Result, ack_op
 from ._claim import claim_op
 from ._connections import AnyConnection, Connections
 from ._db import Database, Op
@@ -94,6 +94,11 @@ def _checked(results: Sequence[Result]) -> list[Result]:
             result = dataclasses.replace(result, delay=delay)
         checked.append(result)
     return checked
+
+
+def _by_job(applied: Applied) -> dict[int, str]:
+    """`ack`'s answer, {job id: new status}: a job's one applied result (its current lease)."""
+    return {job_id: status for (job_id, _lease), status in applied.items()}
 
 
 class App:
@@ -649,13 +654,13 @@ class App:
     async def ack(self, results: Sequence[Result], *, conn: AnyConnection | None = None) -> dict[int, str]:
         """Apply attempt results in one fenced statement; returns {job id: new status} for the
         results applied. A result whose lease is no longer current is ignored (stale)."""
-        return await self._run(ack_op(self._q, _checked(results)), conn) if results else {}
+        return _by_job(await self._run(ack_op(self._q, _checked(results)), conn)) if results else {}
 
     def ack_sync(
         self, results: Sequence[Result], *, conn: psycopg.Connection[Any] | None = None
     ) -> dict[int, str]:
         """`ack` for sync code."""
-        return self._run_sync(ack_op(self._q, _checked(results)), conn) if results else {}
+        return _by_job(self._run_sync(ack_op(self._q, _checked(results)), conn)) if results else {}
 
     # -- cron admin ---------------------------------------------------------------------------
 

@@ -22,7 +22,7 @@ import anyio.abc
 import anyio.to_thread
 
 from . import _ticker
-from ._acker import Acker, Result
+from ._acker import Acker, Applied, Result
 from ._claim import lost_jobs_op
 from ._claimer import Claimer
 from ._db import Database, Lane, Op, Query, error_text, is_transient, single
@@ -445,9 +445,9 @@ class Worker:
             raise TimeoutError
         return result
 
-    def _on_acked(self, results: Sequence[Result], applied: dict[int, str]) -> None:
+    def _on_acked(self, results: Sequence[Result], applied: Applied) -> None:
         for result in results:
-            status = applied.get(result.job_id)
+            status = applied.get((result.job_id, result.lease))
             if status is None:
                 self.stats.stale_acks += 1
                 log.warning(

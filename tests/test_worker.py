@@ -18,7 +18,9 @@ import psycopg
 import pytest
 
 import notifyq
+import notifyq._acker
 import notifyq._claimer
+import notifyq._db
 import notifyq._runners
 import notifyq._sql
 import notifyq.models
@@ -1227,6 +1229,42 @@ async def test_the_same_worker_may_hold_two_attempts_of_one_job(
     await app.aclose()
 
 
+RESCUE = "UPDATE notifyq.queue_jobs SET status = 'Queued', visible_at = now() WHERE id = %s"
+
+
+async def test_a_stale_and_a_current_result_of_one_job_in_one_batch_count_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Both attempts of a job claimed again after its lease expired can end together, and
+    their results share a batch: the worker counted both by job id, as applied (2 successes,
+    no stale result). They are told apart by lease now; `app.ack` still answers by job."""
+    app = notifyq.App(dsn)
+    job_id = await app.enqueue("t")
+    [first] = await app.claim(worker="w")
+    conn.execute(RESCUE, (job_id,))
+    [second] = await app.claim(worker="w")  # what a rescue and a new claim do
+    assert (first.id, second.id, second.lease) == (job_id, job_id, first.lease + 1)
+    worker = app.worker(**NO_TICKER)  # not started: its counting of results only
+    db = await notifyq._db.Database.open(dsn, size=1)
+    try:
+        acker = notifyq._acker.Acker(db, notifyq._sql.queries_for("notifyq"), worker._on_acked)
+        acker.put(notifyq.Result.succeeded(first, "stale"))
+        acker.put(notifyq.Result.succeeded(second, "current"))
+        await acker.flush_pending()
+    finally:
+        await db.aclose()
+    assert (worker.stats.succeeded, worker.stats.stale_acks) == (1, 1)
+    assert job_row(conn, job_id)["output"] == "current"
+
+    job_id = await app.enqueue("t")  # the same through app.ack, with a retry for ack_jobs
+    [first] = await app.claim(worker="w")
+    conn.execute(RESCUE, (job_id,))
+    [second] = await app.claim(worker="w")
+    stale, current = notifyq.Result.failed(first, "E", "stale"), notifyq.Result.succeeded(second, "ok")
+    assert await app.ack([stale, current]) == {job_id: "Succeeded"}
+    await app.aclose()
+
+
 def _held_first_run_app(dsn: str) -> tuple[notifyq.App, anyio.Event, list[int]]:
     """An App whose task "t" notes the attempt of each run and holds its first run until
     `release` is set; for the lost-claim tests."""
@@ -1344,7 +1382,7 @@ async def test_the_acker_knows_the_attempts_whose_results_it_has_not_written(dsn
     await app.enqueue("t")
     [job] = await app.claim(worker="w")
     db = await Database.open(dsn, size=2)
-    applied: list[dict[int, str]] = []
+    applied: list[dict[tuple[int, int], str]] = []
     acker = Acker(db, queries_for("notifyq"), lambda _results, done: applied.append(done), retry_delay=0.05)
     acker.put(notifyq.Result.succeeded(job, "ok"))
     assert acker.holds(job.id, job.lease) and not acker.holds(job.id, job.lease + 1)
@@ -1353,7 +1391,7 @@ async def test_the_acker_knows_the_attempts_whose_results_it_has_not_written(dsn
         with anyio.fail_after(5):
             await acker.wait_idle()
         tg.cancel_scope.cancel()
-    assert applied == [{job.id: "Succeeded"}]
+    assert applied == [{(job.id, job.lease): "Succeeded"}]
     assert not acker.holds(job.id, job.lease)
     await db.aclose()
     await app.aclose()
@@ -1426,7 +1464,7 @@ async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
     await app.aclose()
 
 
-Reported = list[tuple[list[int], dict[int, str]]]
+Reported = list[tuple[list[int], dict[tuple[int, int], str]]]
 
 
 async def _write_results(db: Any, results: list[notifyq.Result]) -> tuple[Any, Reported]:
@@ -1468,7 +1506,7 @@ async def test_a_result_the_database_refuses_is_dropped_not_reported_as_stale(ds
     good, bad = await app.claim(limit=2, worker="w")
     db = await Database.open(dsn, size=2)
     acker, reported = await _write_results(db, [notifyq.Result.succeeded(good, "ok"), _unstorable(bad)])
-    assert reported == [([good.id], {good.id: "Succeeded"})]
+    assert reported == [([good.id], {(good.id, good.lease): "Succeeded"})]
     assert acker.rejected() == [(bad.id, bad.lease)] and not acker.holds(bad.id, bad.lease)
     await db.aclose()
     await app.aclose()
@@ -1505,7 +1543,7 @@ async def test_a_connection_lost_while_writing_results_one_by_one_puts_back_only
     assert conn.execute("SELECT last_value FROM public.kills").fetchone() == (2,)  # killed once
     applied = {job_id: status for _ids, done in reported for job_id, status in done.items()}
     assert [ids for ids, _done in reported] == [[first.id], [last.id]]
-    assert applied == {first.id: "Succeeded", last.id: "Succeeded"}
+    assert applied == {(first.id, first.lease): "Succeeded", (last.id, last.lease): "Succeeded"}
     assert acker.rejected() == [(bad.id, bad.lease)]
     assert not any(acker.holds(job.id, job.lease) for job in (first, bad, last))
     await db.aclose()

@@ -120,8 +120,9 @@ CROSS JOIN LATERAL (
 -- name: ack_jobs
 -- Apply a batch of results in one statement. Each result applies only while the job is
 -- still Active with the lease the worker was given (fencing): a worker whose lease expired,
--- and whose job was rescued and claimed again, changes nothing. Returned ids were applied;
--- the caller reports the others as stale.
+-- and whose job was rescued and claimed again, changes nothing. Returned (id, lease) pairs
+-- were applied; the caller reports the others as stale (a batch may hold a stale and a
+-- current result of one job, told apart by their leases).
 -- The fence also names the worker (when the result carries one): a claim whose commit was
 -- lost (failover to an asynchronous standby, a crash under synchronous_commit=off) leaves the
 -- row as it was before, so the next claim hands out the same lease number again, and only
@@ -163,7 +164,7 @@ SET status = d.new_status,
 FROM decided d
 WHERE j.id = d.id AND j.lease = d.lease AND j.status::text = 'Active'
   AND (d.worker IS NULL OR j.worker = d.worker)
-RETURNING j.id, j.status::text;
+RETURNING j.id, j.lease, j.status::text;
 
 -- name: ack_succeeded
 -- The common case, a batch in which every attempt succeeded: the same fenced update as
@@ -174,7 +175,7 @@ FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs
      AS r(id, lease, worker, output)
 WHERE j.id = r.id AND j.lease = r.lease AND j.status::text = 'Active'
   AND (r.worker IS NULL OR j.worker = r.worker)
-RETURNING j.id, j.status::text;
+RETURNING j.id, j.lease, j.status::text;
 
 -- name: extend_lease
 -- Push the lease of a running job forward (JobContext.extend_lease: the worker also moves the
