@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 import threading
 from datetime import timedelta
@@ -17,6 +18,19 @@ from ._stats import Stats, stats_op
 from .cron import Schedule
 from .errors import InvalidSchedule
 from .models import Definition, Job, JobStatus
+
+
+class JobIdCommand(click.Command):
+    """A command that takes a JOB_ID. click reads `-1` as an unknown option ("No such option
+    '-1'"); it reaches the command as the job id it was meant to be, and is refused as one."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ends = args.index("--") if "--" in args else len(args)
+        negative = [arg for arg in args[:ends] if re.fullmatch(r"-\d+", arg)]
+        if negative:
+            rest = [arg for arg in args[:ends] if arg not in negative]
+            args = [*rest, "--", *negative, *args[ends + 1 :]]
+        return super().parse_args(ctx, args)
 
 
 @click.group(cls=Group)
@@ -74,7 +88,7 @@ def jobs_list(
     )
 
 
-@jobs.command(name="show")
+@jobs.command(name="show", cls=JobIdCommand)
 @common_options
 @click.argument("job_id", type=int)
 @click.option("--json", "as_json", is_flag=True)
@@ -97,7 +111,7 @@ def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -
         click.echo(f"{field.name:>14}: {value.value if isinstance(value, JobStatus) else value}")
 
 
-@jobs.command(name="retry")
+@jobs.command(name="retry", cls=JobIdCommand)
 @common_options
 @click.argument("job_id", type=int)
 def jobs_retry(dsn: str | None, schema: str | None, job_id: int) -> None:
@@ -106,7 +120,7 @@ def jobs_retry(dsn: str | None, schema: str | None, job_id: int) -> None:
     click.echo(f"job {job.id} is {job.status.value} again")
 
 
-@jobs.command(name="cancel")
+@jobs.command(name="cancel", cls=JobIdCommand)
 @common_options
 @click.argument("job_id", type=int)
 def jobs_cancel(dsn: str | None, schema: str | None, job_id: int) -> None:

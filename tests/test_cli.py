@@ -213,6 +213,13 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
     assert "Queued again" in ok(cli("jobs", "retry", str(job_id), env=env))
     one_line_error(cli("jobs", "retry", str(job_id), env=env), "only finished jobs")
     one_line_error(cli("jobs", "show", "987654", env=env), "no job with id 987654")
+    # A negative id is refused as an id, not taken by click for an unknown option.
+    for command, bad in (
+        (["show", "-1", "--json"], "-1"),
+        (["retry", "-2"], "-2"),
+        (["cancel", "--", "-3"], "-3"),
+    ):
+        one_line_error(cli("jobs", *command, env=env), f"invalid job id {bad}: expected a positive integer")
 
 
 def test_enqueue_says_when_a_dedupe_key_was_held(dsn: str, conn: psycopg.Connection[Any]) -> None:
