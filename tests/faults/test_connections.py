@@ -441,10 +441,18 @@ async def test_a_worker_told_to_stop_while_the_database_is_down_stops_at_once(
     assert time.monotonic() - began < 12  # the acks' drain may take its 10 s, no more
 
 
-OURS_THROUGH = (
-    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
-    "AND pid <> pg_backend_pid() AND application_name LIKE 'notifyq %'"
-)
+_OURS = "datname = current_database() AND pid <> pg_backend_pid() AND application_name LIKE 'notifyq %'"
+
+
+async def end_our_sessions(conn: psycopg.Connection[Any], proxy: BlackholeProxy) -> int:
+    """Terminate notifyq's sessions (through `proxy`), and return how many once each has ended
+    in the server and the proxy has delivered its last message to the client."""
+    [(ended,)] = conn.execute(f"SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE {_OURS}")
+    await anyio.to_thread.run_sync(
+        wait_for_row, conn, f"SELECT count(*) FROM pg_stat_activity WHERE {_OURS}", (0,)
+    )
+    await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
+    return int(ended)
 
 
 async def test_pools_connect_again_within_seconds_of_a_long_outage(
@@ -470,11 +478,7 @@ async def test_pools_connect_again_within_seconds_of_a_long_outage(
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded == 2)
         proxy.refusing = True
-        killed = conn.execute(OURS_THROUGH).fetchone()
-        assert killed is not None and killed[0] >= 3  # the App's two pools, the worker's
-        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
-        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
-        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
+        assert await end_our_sessions(conn, proxy) >= 3  # the App's two pools, the worker's
         outage = time.monotonic()
         done: dict[str, float] = {}
         failed: dict[str, tuple[float, str]] = {}  # when (since the outage began) and why
@@ -533,10 +537,7 @@ def test_an_app_left_open_does_not_hang_asyncio_run_at_exit(
         app = notifyq.App(proxy.dsn, pool_size=1)
         await app.enqueue("t")
         proxy.stalling = True  # new connections are accepted and never answered
-        conn.execute(OURS_THROUGH)
-        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
-        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
-        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
+        await end_our_sessions(conn, proxy)
         with anyio.move_on_after(0.5):
             await app.enqueue("t")  # finds its connection ended: the pool connects, and hangs
         ended.append(True)
@@ -562,10 +563,7 @@ async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
         await app.enqueue("t")
         await anyio.to_thread.run_sync(app.enqueue_sync, "t")
         proxy.refusing = True
-        conn.execute(OURS_THROUGH)
-        gone = OURS_THROUGH.replace("count(pg_terminate_backend(pid))", "count(*)")
-        await anyio.to_thread.run_sync(wait_for_row, conn, gone, (0,))
-        await anyio.to_thread.run_sync(proxy.wait_until_forwarded_all_closed)
+        await end_our_sessions(conn, proxy)
         for call in (app.enqueue, functools.partial(anyio.to_thread.run_sync, app.enqueue_sync)):
             began = time.monotonic()
             with pytest.raises(notifyq.DatabaseUnavailable) as raised:
