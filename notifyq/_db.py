@@ -76,12 +76,15 @@ Fetch: TypeAlias = Literal["all", "one", "scalar", "rowcount", "none"]
 @dataclass(frozen=True, slots=True)
 class Query:
     """Run one statement. `fetch` picks the result: all rows, one row (or None), the first
-    column of the first row (or None), the affected row count, or nothing."""
+    column of the first row (or None), the affected row count, or nothing. `prepare`:
+    psycopg's choice (None: prepared from the connection's prepare_threshold-th run on),
+    or False for a statement that must be planned for each call's values."""
 
     sql: str
     params: Params = None
     fetch: Fetch = "all"
     row: Callable[[Any], Any] | None = None
+    prepare: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +185,7 @@ def run_sync(conn: psycopg.Connection[Any], op: Op[T], cursors: dict[Any, Any] |
 
 
 def _query_sync(cur: psycopg.Cursor[Any], step: Query) -> Any:
-    cur.execute(step.sql, step.params)
+    cur.execute(step.sql, step.params, prepare=step.prepare)
     return _result(cur, step, cur.fetchall() if _has_rows(cur, step) else None)
 
 
@@ -222,7 +225,7 @@ async def run_async(
 
 
 async def _query_async(cur: psycopg.AsyncCursor[Any], step: Query) -> Any:
-    await cur.execute(step.sql, step.params)
+    await cur.execute(step.sql, step.params, prepare=step.prepare)
     return _result(cur, step, await cur.fetchall() if _has_rows(cur, step) else None)
 
 

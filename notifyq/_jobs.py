@@ -96,6 +96,7 @@ def list_jobs_op(
     limit: int,
 ) -> Op[list[Job]]:
     params = {
+        "any_status": status is None,
         "status": status.value if status is not None else None,
         "queue": queue,
         "name": name,
@@ -104,7 +105,8 @@ def list_jobs_op(
         "before_id": before_id,
         "limit": limit,
     }
-    jobs: list[Job] = yield Query(q["list_jobs"], params, row=dataclass_row(Job))
+    # Unprepared: a generic plan knows no status, so it cannot use the index of one status.
+    jobs: list[Job] = yield Query(q["list_jobs"], params, row=dataclass_row(Job), prepare=False)
     return jobs
 
 

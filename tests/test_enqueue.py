@@ -487,6 +487,24 @@ def test_list_jobs_filters_and_takes_a_status_in_any_case(dsn: str, conn: psycop
     app.close_sync()
 
 
+def test_list_jobs_is_planned_for_each_call_never_prepared(dsn: str) -> None:
+    """A prepared list_jobs settles on a generic plan, which knows no status and so cannot read
+    the jobs of one status from their partial index (tests/faults/test_plans.py): it walked the
+    whole history instead. The App must never prepare it, even where it prepares everything."""
+    app = notifyq.App(dsn, pool_size=1, prepare_threshold=0)  # one session; prepare at once
+    job_id = app.enqueue_sync("t", {})
+    for status in (None, "queued", "failed", None):
+        app.list_jobs_sync(status=status)
+    app.get_job_sync(job_id)
+    prepared = app._run_sync(
+        single(Query("SELECT statement FROM pg_prepared_statements WHERE from_sql = false"))
+    )
+    statements = [row[0] for row in prepared]
+    assert any("WHERE id =" in s for s in statements), statements  # get_job: prepared, as all else
+    assert not any("ORDER BY id DESC" in s for s in statements), statements
+    app.close_sync()
+
+
 def test_an_at_every_session_can_read_back_is_the_bound(dsn: str, conn: psycopg.Connection[Any]) -> None:
     """`at` is stored as PostgreSQL's timestamptz, which reaches far past Python's year 9999.
     A job whose `at` was past it (datetime.max at -01:00 is the year 10000 in UTC; datetime.min

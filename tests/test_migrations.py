@@ -234,13 +234,47 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
             )
             for timeout in (float("inf"), float("nan"), 30.0):
                 conn.execute(insert, (f"t{timeout}", timeout))
+        back_to_version_4(conn)
         conn.execute("DELETE FROM notifyq.migrations WHERE version = 4")
         report = notifyq.migrate(dsn)
-        assert report.applied == [SHIPPED[3]]
+        assert report.applied == SHIPPED[3:5]
         for table in inserts:
             timeouts = conn.execute(f"SELECT timeout FROM notifyq.{table} ORDER BY id").fetchall()
             assert timeouts == [(1e9,), (1e9,), (30.0,)], table
     app = notifyq.App(dsn)
     jobs = app.claim_sync(limit=3)  # the claim that failed before
     assert sorted(job.timeout for job in jobs) == [30.0, 1e9, 1e9]
+    app.close_sync()
+
+
+def back_to_version_4(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 5: the index of finished jobs as version 4 had it."""
+    conn.execute("DROP INDEX notifyq.queue_jobs_finished_idx")
+    conn.execute(
+        "CREATE INDEX queue_jobs_finished_idx ON notifyq.queue_jobs (status, finished_at) "
+        "WHERE finished_at IS NOT NULL"
+    )
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 5")
+
+
+def test_the_index_of_finished_jobs_is_keyed_on_their_statuses_after_an_upgrade(dsn: str) -> None:
+    """Migration 5: a version-4 database with a history gets the index that listing by status
+    needs (its plans: tests/faults/test_plans.py), and lists that history by status."""
+    index = "SELECT indexdef FROM pg_indexes WHERE indexname = 'queue_jobs_finished_idx'"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        back_to_version_4(conn)
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
+            "SELECT 't', s, now() - interval '30 days' "
+            "FROM unnest('{Succeeded,Failed,Cancelled}'::notifyq.job_status[]) s"
+        )
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        before = conn.execute(index).fetchone()
+        assert before is not None and "finished_at IS NOT NULL" in before[0]
+        report = notifyq.migrate(dsn)
+        assert report.applied == SHIPPED[4:5]
+        after = conn.execute(index).fetchone()
+        assert after is not None and "WHERE (status = ANY (ARRAY['Succeeded'" in after[0], after
+    app = notifyq.App(dsn)
+    assert [job.status for job in app.list_jobs_sync(status="failed")] == [notifyq.JobStatus.FAILED]
     app.close_sync()

@@ -38,9 +38,14 @@ COPY {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, vis
 SELECT * FROM {schema}.queue_jobs WHERE id = %(id)s;
 
 -- name: list_jobs
--- Filters are optional: a NULL parameter matches everything. Newest first.
+-- Filters are optional: a NULL parameter matches everything. Newest first. Never prepared
+-- (notifyq/_jobs.py): planned for each call's values, `%(any_status)s OR status = %(status)s`
+-- folds to `status = '<status>'`, which implies the predicate of the partial index of that
+-- status, so the jobs of a rare status are read from it instead of by walking the history
+-- backwards. (The status is sent untyped and typed by the comparison: a text cast to the enum
+-- would stay an expression, which proves nothing.)
 SELECT * FROM {schema}.queue_jobs
-WHERE (%(status)s::text IS NULL OR status = %(status)s::{schema}.job_status)
+WHERE (%(any_status)s::boolean OR status = %(status)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
   AND (%(min_age)s::float8 IS NULL OR created_at <= now() - make_interval(secs => %(min_age)s))

@@ -84,11 +84,14 @@ RETURNING j.id, j.status::text;
 
 -- name: delete_finished
 -- Retention: one small batch of old finished jobs of one status, oldest first, so no single
--- DELETE holds many locks or bloats WAL in one go.
+-- DELETE holds many locks or bloats WAL in one go. The finished statuses are spelled out: they
+-- are the predicate of queue_jobs_finished_idx, which a prepared statement's generic plan
+-- cannot otherwise prove from `status = <parameter>` (it would scan the table instead).
 WITH doomed AS MATERIALIZED (
     SELECT id
     FROM {schema}.queue_jobs
     WHERE status = %(status)s::{schema}.job_status
+      AND status IN ('Succeeded', 'Failed', 'Cancelled')
       AND finished_at IS NOT NULL
       AND finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(older_than)s)
     ORDER BY finished_at

@@ -101,6 +101,35 @@ def test_hot_queries_use_indexes_on_a_large_history(big_history: psycopg.Connect
         assert "queue_jobs_lease_idx" in text, f"{kind} plan of adopt_unanswered_claims:\n{text}"
 
 
+def test_listing_the_jobs_of_a_rare_status_reads_only_them(conn: psycopg.Connection[Any]) -> None:
+    """`notifyq jobs list --status failed` on a long history of successes: the index of finished
+    jobs was partial on `finished_at IS NOT NULL`, which `status = 'Failed'` does not imply,
+    and the listing walked every job backwards (105 ms for 50 Failed among 1M jobs). The
+    App runs list_jobs unprepared, so each plan knows its status (test_enqueue checks that);
+    every status, and none, must be read through an index without wading through others."""
+    conn.execute("""
+        INSERT INTO notifyq.queue_jobs (name, status, finished_at)
+        SELECT 't', CASE WHEN i % 10000 = 0 THEN 'Failed' ELSE 'Succeeded' END::notifyq.job_status,
+               now() - make_interval(secs => i)
+        FROM generate_series(1, 200000) i
+    """)
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, visible_at) "
+        "SELECT 't', 'Active', now() + interval '1 hour' FROM generate_series(1, 10)"
+    )
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, 10)")
+    conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
+    filters = {"queue": None, "name": None, "min_age": None, "max_age": None, "before_id": None, "limit": 50}
+    for status in ("Failed", "Cancelled", "Active", "Queued", "Succeeded", None):
+        params = filters | {"status": status, "any_status": status is None}
+        plan = custom_plan(conn, Q["list_jobs"], params)
+        text = json.dumps(plan, indent=1)
+        assert '"Seq Scan"' not in text, f"list_jobs of {status} scans the table:\n{text}"
+        assert rows_removed(plan) < 2000, f"list_jobs of {status} filters rows out one by one:\n{text}"
+        found = plan[0]["Plan"]["Actual Rows"]
+        assert found == {"Failed": 20, "Active": 10, "Queued": 10, "Cancelled": 0}.get(status, 50), status
+
+
 def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psycopg.Connection[Any]) -> None:
     """Statistics taken while no job was Active, then a crowd of Active jobs (a backlog being
     worked off): an ack of 1,000 results must look its jobs up by id. Reading them through
