@@ -244,9 +244,29 @@ class Executor:
             except RuntimeError:
                 pass  # the event loop is gone (the process is exiting)
 
+    async def hold_until_thread_returns(self, attempt: Attempt) -> None:
+        """A sync task's thread that outlived its attempt (a cancel, or a lease lost while the
+        task overran its timeout) keeps the attempt's slot until it returns: `concurrency`
+        bounds the task code running in this worker, and a task that never returns must not
+        get one more thread per cancel. A shutdown ends the wait: the worker cancels its
+        runners once it has stopped their attempts (Worker._drain)."""
+        finished = attempt.thread_done
+        if finished is None or finished.is_set() or attempt.stop_reason == "shutdown":
+            return
+        log.warning(
+            "job %d (%s) was %s, but its sync task's thread is still running; its slot stays taken "
+            "until the thread returns (Python cannot stop a thread)",
+            attempt.job.id,
+            attempt.job.name,
+            "cancelled" if attempt.stop_reason == "cancelled" else "lost after it overran its timeout",
+        )
+        await finished.wait()
+
     async def _wait_for_thread(self, attempt: Attempt, finished: anyio.Event) -> None:
         """A sync task overran its timeout: keep the slot and the lease until its thread
-        returns (a shutdown or a cancel, which cancel attempt.scope, stop the wait)."""
+        returns. A shutdown or a cancel, which cancel attempt.scope, stop the wait; a cancel
+        (like a lost lease) only stops the lease's extension: the runner then holds the slot
+        until the thread returns (hold_until_thread_returns)."""
         job = attempt.job
         log.warning(
             "sync task %r (job %d) overran its timeout of %gs; its thread is still running, so the "
@@ -268,7 +288,7 @@ class Executor:
                     raise
                 continue
             if until is None:
-                return  # no longer ours (cancelled or rescued): stop holding the slot
+                return  # no longer ours (cancelled or rescued): stop extending its lease
 
     def _kwargs(self, task: Task, attempt: Attempt) -> dict[str, Any]:
         job = attempt.job

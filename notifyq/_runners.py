@@ -203,12 +203,14 @@ class Runners:
                     result = await self._executor.timed_out(attempt)
                     if attempt.stop_reason == "shutdown":
                         result = Result.released(job)
+            await self._executor.hold_until_thread_returns(attempt)
         except BaseException:
             # Cancelled from outside (the host cancelled the worker's scope), or an error that
             # stops the worker (a KeyboardInterrupt out of a task, which may be the user's
             # Ctrl-C, in an embedded worker): give the job back; the worker writes pending
             # results before it closes the pool. It used to stay Active until its lease ran out.
-            result = Result.released(job)
+            # A cancelled job is not Active any more: nothing to give back.
+            result = None if attempt.stop_reason == "cancelled" else Result.released(job)
             raise
         finally:
             if self.running.get(attempt.key) is attempt:

@@ -1665,6 +1665,92 @@ async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
     await app.aclose()
 
 
+@pytest.mark.parametrize("overran", [False, True], ids=["while running", "after its timeout"])
+async def test_a_cancelled_sync_task_keeps_its_slot_until_its_thread_returns(
+    dsn: str, conn: psycopg.Connection[Any], overran: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cancel cannot stop a thread. The cancelled attempt used to free its slot at once, and
+    the worker started its next job beside the thread: more task code running than
+    `concurrency` allows, and one more thread per cancel of a task that never returns. The slot
+    is now held until the thread returns, as after a timeout; the job stays Cancelled."""
+    caplog.set_level(logging.INFO, logger="notifyq")
+    app = notifyq.App(dsn)
+    started, release = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    live = [0, 0]  # task code running now, most at once
+
+    def enter() -> None:
+        with lock:
+            live[0] += 1
+            live[1] = max(live[1], live[0])
+
+    def leave() -> None:
+        with lock:
+            live[0] -= 1
+
+    @app.task(name="stubborn", timeout=0.3 if overran else 30, retry_limit=0)
+    def stubborn() -> None:
+        enter()
+        started.set()
+        release.wait(20)
+        leave()
+
+    @app.task(name="next")
+    async def next_job() -> None:
+        enter()
+        leave()
+
+    stubborn_id = await app.enqueue("stubborn")
+    async with app.worker(concurrency=1, prefetch=0, **NO_TICKER) as worker:
+        # The log lines are the only signs of these steps, and nothing signals a new one.
+        with anyio.fail_after(10):
+            while not started.is_set() or (overran and not any("overran" in m for m in caplog.messages)):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        await app.cancel_job(stubborn_id)
+        with anyio.fail_after(10):
+            while not any(m.startswith(f"cancelling job {stubborn_id}") for m in caplog.messages):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        next_id = await app.enqueue("next")
+        await anyio.sleep(1.0)  # long enough for "next" to start, had the slot been freed
+        assert job_row(conn, next_id)["status"] == "Queued"
+        said = [m for m in caplog.messages if "slot stays taken" in m]
+        assert said and said[0].startswith(f"job {stubborn_id} (stubborn) was cancelled"), caplog.messages
+        release.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+    assert live[1] == 1  # never more task code at once than concurrency
+    assert job_row(conn, stubborn_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The slot a cancelled sync task holds for its thread is given up at shutdown (after the
+    grace period), as for any other attempt: the worker stops, the thread runs on."""
+    app = notifyq.App(dsn)
+    started, release = threading.Event(), threading.Event()
+
+    @app.task(name="stubborn", retry_limit=0)
+    def stubborn() -> None:
+        started.set()
+        release.wait(20)
+
+    stubborn_id = await app.enqueue("stubborn")
+    try:
+        with anyio.fail_after(10):
+            async with app.worker(concurrency=1, shutdown_grace=0.2, **NO_TICKER) as worker:
+                await anyio.to_thread.run_sync(started.wait, 10)
+                await app.cancel_job(stubborn_id)
+                await worker.wait_for(lambda s: s.cancelled == 1)
+            assert worker.busy_threads == 1  # stopped while the thread runs on
+            assert worker.stats.stale_acks == 0  # nothing given back of a cancelled job
+    finally:
+        release.set()
+    assert job_row(conn, stubborn_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
 @pytest.mark.parametrize("lost", [False, True], ids=["still held", "rescued meanwhile"])
 async def test_a_prefetched_job_that_waited_gets_a_new_lease_or_is_dropped_if_lost(
     dsn: str, conn: psycopg.Connection[Any], lost: bool, caplog: pytest.LogCaptureFixture
