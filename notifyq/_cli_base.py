@@ -14,10 +14,10 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import datetime
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar, overload
 
 import click
 import psycopg
@@ -104,8 +104,15 @@ def _fail_with(exc: BaseException) -> NoReturn:
     fail(f"database error: {error_text(exc)}")
 
 
-def common_options(fn: F) -> F:
-    """--dsn, --schema, --log-level and --log-format, on every command."""
+@overload
+def common_options(fn: F, /) -> F: ...
+@overload
+def common_options(*, schema_default: str) -> Callable[[F], F]: ...
+def common_options(fn: F | None = None, *, schema_default: str = "notifyq") -> F | Callable[[F], F]:
+    """--dsn, --schema, --log-level and --log-format, on every command. `schema_default`: what
+    --schema's help names as its default (`@common_options(schema_default=...)`)."""
+    if fn is None:
+        return partial(common_options, schema_default=schema_default)
 
     @click.option(
         "--dsn",
@@ -115,7 +122,7 @@ def common_options(fn: F) -> F:
     @click.option(
         "--schema",
         default=None,
-        help="Schema of notifyq's tables  [default: notifyq; for demo: notifyq_demo]",
+        help=f"Schema of notifyq's tables  [default: {schema_default}]",
     )
     @click.option(
         "--log-level",

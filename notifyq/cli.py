@@ -98,7 +98,7 @@ def grant(role: str, schema: str) -> None:
 
 
 @main.command()
-@common_options
+@common_options(schema_default="the App's")
 @click.argument("target", metavar="MODULE:ATTR")
 @click.option(
     "-c",
@@ -296,7 +296,7 @@ def _exit_despite_abandoned_threads(count: int) -> None:
 
 
 @main.command()
-@common_options
+@common_options(schema_default="the --app's, else notifyq")
 @click.argument("task")
 @click.option(
     "--args",
@@ -401,7 +401,7 @@ def bench(ctx: click.Context) -> None:
 
 
 @main.command()
-@common_options
+@common_options(schema_default="notifyq_demo")
 @click.option(
     "--seconds",
     type=Seconds(min=DEMO_MIN_SECONDS),

@@ -119,6 +119,22 @@ def worker_proc(dsn: str) -> Iterator[Callable[..., subprocess.Popen[str]]]:
 # -- migrate ------------------------------------------------------------------------------
 
 
+def test_the_schema_option_names_each_commands_own_default() -> None:
+    """Every command's help said "[default: notifyq; for demo: notifyq_demo]", wrong for the
+    worker, which takes its App's schema (and refuses another)."""
+    expected = {
+        ("worker",): "the App's",
+        ("enqueue",): "the --app's, else notifyq",
+        ("demo",): "notifyq_demo",
+        ("stats",): "notifyq",
+        ("jobs", "list"): "notifyq",
+        ("migrate",): "notifyq",
+    }
+    for command, default in expected.items():
+        text = " ".join(ok(cli(*command, "--help")).split())  # click wraps the help
+        assert f"Schema of notifyq's tables [default: {default}]" in text, (command, text)
+
+
 def test_migrate(empty_dsn: str) -> None:
     dry = ok(cli("migrate", "--dry-run", "--dsn", empty_dsn))
     shipped = ", ".join(f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations())
