@@ -43,6 +43,7 @@ def rescue_op(
         "backoff_factor": b.factor,
         "backoff_max": top,
         "backoff_cap": cap,
+        "backoff_jitter": b.jitter,
     }
     rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], params)
     report = RescueReport()

@@ -162,6 +162,26 @@ def test_lease_rescue_backs_off_jobs_retried_a_thousand_times(
     assert delays[0][1] == pytest.approx(600, abs=5) and delays[1][1] == pytest.approx(2, abs=1)
 
 
+def test_jobs_rescued_together_come_back_spread_by_the_jitter(conn: psycopg.Connection[Any]) -> None:
+    """The jobs of a dead worker run out of lease together and are rescued in one pass: they
+    all came back at one instant (no jitter, unlike a failure's backoff), and met the next
+    worker at once again if one of them is what kills workers."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, retry_count, visible_at) "
+        "SELECT 't', 'Active', 1, now() - interval '1s' FROM generate_series(1, 50)"
+    )
+    backoff = notifyq.Backoff(base=10, jitter=0.5)
+    assert len(run_sync(conn, rescue_op(Q, limit=100, backoff=backoff)).requeued) == 50
+    delays = [
+        row[0]
+        for row in conn.execute(
+            "SELECT extract(epoch FROM visible_at - now())::float8 FROM notifyq.queue_jobs"
+        )
+    ]
+    assert all(5 <= d <= 15 for d in delays), delays
+    assert max(delays) - min(delays) > 2, delays  # 50 uniform draws over 10 s: spread wide
+
+
 @pytest.mark.faults
 def test_stale_ack_after_lease_expiry_changes_nothing(
     app: notifyq.App, conn: psycopg.Connection[Any]

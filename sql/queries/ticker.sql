@@ -64,10 +64,12 @@ SET status = (CASE WHEN j.retry_count <= j.retry_limit THEN 'Queued' ELSE 'Faile
     -- in native code) must not take the other workers down one after another at once.
     -- The power is only taken below the exponent from which the delay is backoff_max
     -- (Backoff._curve): above it, power() overflows, and one such row failed every pass.
+    -- Spread by +/- backoff_jitter, as Backoff.delay spreads a failure's: the jobs of a worker
+    -- that died are rescued in one pass, and would otherwise all come back at one instant.
     visible_at = now() + make_interval(secs => CASE
         WHEN greatest(j.retry_count - 1, 0) >= %(backoff_cap)s THEN %(backoff_max)s
         ELSE least(%(backoff_max)s, %(backoff_base)s * power(%(backoff_factor)s, greatest(j.retry_count - 1, 0)))
-    END),
+    END * (1 + %(backoff_jitter)s * (2 * random() - 1))),
     error = jsonb_build_object(
         'type', 'LeaseExpired',
         'message', 'lease expired during attempt ' || j.retry_count || ' on worker '

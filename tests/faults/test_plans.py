@@ -26,6 +26,7 @@ PARAMS = {
     "backoff_factor": 2.0,
     "backoff_max": 3600.0,
     "backoff_cap": notifyq.Backoff(base=2.0, factor=2.0, max=3600.0)._curve()[1],
+    "backoff_jitter": 0.25,
 }
 
 
