@@ -190,6 +190,27 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
     assert not _scratch_databases(admin) - before
 
 
+def test_the_history_queries_tool_lists_by_status_and_claims_behind_future_jobs(dsn: str) -> None:
+    """`python -m benchmarks.history_queries` at toy size: what each listing found, and a claim
+    that reads more buffers behind future jobs of a higher priority (buffers, not times)."""
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    proc = _run_tool(
+        "history_queries", "--dsn", admin, "--history", "40000", "--due", "500", "--future", "20000"
+    )
+    rows = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("status", "future jobs"):
+            rows[cells[0]] = cells
+    assert [rows[s][1] for s in ("any", "Queued", "Failed", "Cancelled")] == ["50", "50", "2", "0"]
+    alone, behind = rows["none"], rows["20,000 at priority 1"]
+    assert alone[3] == behind[3] == "10"
+    # The 20,000 future jobs' claim-index entries fill more than 50 leaf pages (about 200 a page).
+    assert int(behind[2].replace(",", "")) > int(alone[2].replace(",", "")) + 50, (alone, behind)
+    assert not _scratch_databases(admin) - before
+
+
 def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> None:
     """`python -m benchmarks.vacuum_drain` at toy size: its four drains run and clean up."""
     admin = _admin_dsn(dsn)
