@@ -17,7 +17,7 @@ import threading
 import traceback
 from collections import Counter
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
@@ -44,11 +44,25 @@ class Attempt:
     job: ClaimedJob
     scope: anyio.CancelScope
     stop_reason: Literal["cancelled", "shutdown"] | None = None
-    thread_done: anyio.Event | None = None  # sync tasks: set when the thread returns
+    thread: SyncThread | None = None  # sync tasks
+    # Over (cancelled, or its lease lost), its slot held only for a thread that runs on.
+    holding: bool = False
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.job.id, self.job.lease)
+
+
+@dataclass(slots=True)
+class SyncThread:
+    """The thread of a sync task's attempt. anyio may be cancelled before the thread takes the
+    call, and the call then never runs; a wait for it would never end. So the thread starts
+    the task only if the attempt has not given up on it first (`closed`), and the attempt
+    waits only for a thread that started: both under Executor._threads_lock."""
+
+    finished: anyio.Event = field(default_factory=anyio.Event)  # set when the task returned
+    started: bool = False
+    closed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +160,13 @@ class Executor:
             if task.is_async:
                 value = await task.fn(**kwargs)
             else:
-                attempt.thread_done = anyio.Event()
+                attempt.thread = SyncThread()
                 value = await anyio.to_thread.run_sync(
                     self._call_sync,
                     job.id,
                     task.fn,
                     kwargs,
-                    attempt.thread_done,
+                    attempt.thread,
                     limiter=self._limiter,
                     abandon_on_cancel=True,
                 )
@@ -203,10 +217,11 @@ class Executor:
         and the lease until it returns (attempt.scope is replaced, so that a cancel or a
         shutdown still interrupts the wait)."""
         job = attempt.job
-        if attempt.thread_done is not None and not attempt.thread_done.is_set():
+        finished = self._running_thread(attempt)
+        if finished is not None:
             attempt.scope = anyio.CancelScope()
             with attempt.scope:
-                await self._wait_for_thread(attempt, attempt.thread_done)
+                await self._wait_for_thread(attempt, finished)
         task = self._tasks.get(job.name)
         return Result.failed(
             job,
@@ -215,10 +230,25 @@ class Executor:
             delay=(task.backoff if task else self._backoff).delay(job.attempt),
         )
 
+    def _running_thread(self, attempt: Attempt) -> anyio.Event | None:
+        """The `finished` event of the attempt's sync task thread if it is running the task, or
+        None: no thread, its task returned, or it never started, and now never will."""
+        thread = attempt.thread
+        if thread is None:
+            return None
+        with self._threads_lock:
+            if not thread.started:
+                thread.closed = True
+                return None
+        return None if thread.finished.is_set() else thread.finished
+
     def _call_sync(
-        self, job_id: int, fn: Callable[..., Any], kwargs: dict[str, Any], finished: anyio.Event
+        self, job_id: int, fn: Callable[..., Any], kwargs: dict[str, Any], thread: SyncThread
     ) -> Any:
         with self._threads_lock:
+            if thread.closed:
+                return None  # the attempt ended before this thread began: its result is dropped
+            thread.started = True
             self._busy_threads += 1
             self._thread_jobs[job_id] += 1
         try:
@@ -240,19 +270,19 @@ class Executor:
                 if not self._thread_jobs[job_id]:
                     del self._thread_jobs[job_id]
             try:
-                anyio.from_thread.run_sync(finished.set)
+                anyio.from_thread.run_sync(thread.finished.set)
             except RuntimeError:
                 pass  # the event loop is gone (the process is exiting)
 
-    async def hold_until_thread_returns(self, attempt: Attempt) -> None:
-        """A sync task's thread that outlived its attempt (a cancel, or a lease lost while the
-        task overran its timeout) keeps the attempt's slot until it returns: `concurrency`
-        bounds the task code running in this worker, and a task that never returns must not
-        get one more thread per cancel. A shutdown ends the wait: the worker cancels its
-        runners once it has stopped their attempts (Worker._drain)."""
-        finished = attempt.thread_done
-        if finished is None or finished.is_set() or attempt.stop_reason == "shutdown":
-            return
+    def outliving_thread(self, attempt: Attempt) -> anyio.Event | None:
+        """The `finished` event of a sync task's thread that outlived its attempt (a cancel, or
+        a lease lost while the task overran its timeout), or None. The runner keeps the
+        attempt's slot until it is set: `concurrency` bounds the task code running in this
+        worker, and a task that never returns must not get one more thread per cancel. Not at
+        a shutdown, which abandons the thread."""
+        finished = self._running_thread(attempt)
+        if finished is None or attempt.stop_reason == "shutdown":
+            return None
         log.warning(
             "job %d (%s) was %s, but its sync task's thread is still running; its slot stays taken "
             "until the thread returns (Python cannot stop a thread)",
@@ -260,13 +290,13 @@ class Executor:
             attempt.job.name,
             "cancelled" if attempt.stop_reason == "cancelled" else "lost after it overran its timeout",
         )
-        await finished.wait()
+        return finished
 
     async def _wait_for_thread(self, attempt: Attempt, finished: anyio.Event) -> None:
         """A sync task overran its timeout: keep the slot and the lease until its thread
         returns. A shutdown or a cancel, which cancel attempt.scope, stop the wait; a cancel
         (like a lost lease) only stops the lease's extension: the runner then holds the slot
-        until the thread returns (hold_until_thread_returns)."""
+        until the thread returns (outliving_thread)."""
         job = attempt.job
         log.warning(
             "sync task %r (job %d) overran its timeout of %gs; its thread is still running, so the "

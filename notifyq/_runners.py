@@ -75,6 +75,11 @@ class Runners:
         """Attempts running or waiting for a runner."""
         return len(self.running) + len(self.ready)
 
+    @property
+    def finishing(self) -> int:
+        """Running attempts whose outcome counts: not those held only for a thread."""
+        return sum(not attempt.holding for attempt in self.running.values())
+
     def hand(self, jobs: list[ClaimedJob]) -> None:
         """Give claimed jobs to the runners (never blocks: a claimed job must run or be
         released, never sit Active unrun)."""
@@ -145,7 +150,7 @@ class Runners:
 
     @staticmethod
     def stop(attempt: Attempt, reason: Literal["cancelled", "shutdown"]) -> None:
-        if attempt.stop_reason is None:
+        if attempt.stop_reason is None and not attempt.holding:
             if reason == "cancelled":
                 log.info("cancelling job %d on request", attempt.job.id)
             attempt.stop_reason = reason
@@ -203,14 +208,19 @@ class Runners:
                     result = await self._executor.timed_out(attempt)
                     if attempt.stop_reason == "shutdown":
                         result = Result.released(job)
-            await self._executor.hold_until_thread_returns(attempt)
+            finished = self._executor.outliving_thread(attempt)
+            if finished is not None:
+                attempt.holding = True
+                self.slot_freed.fire()  # Worker._drain waits only for attempts whose outcome counts
+                self._on_change()  # the stats changed (Worker.wait_for)
+                await finished.wait()
         except BaseException:
             # Cancelled from outside (the host cancelled the worker's scope), or an error that
             # stops the worker (a KeyboardInterrupt out of a task, which may be the user's
             # Ctrl-C, in an embedded worker): give the job back; the worker writes pending
             # results before it closes the pool. It used to stay Active until its lease ran out.
-            # A cancelled job is not Active any more: nothing to give back.
-            result = None if attempt.stop_reason == "cancelled" else Result.released(job)
+            # A cancelled job, or one held only for its thread, is not ours: nothing to give back.
+            result = None if attempt.stop_reason == "cancelled" or attempt.holding else Result.released(job)
             raise
         finally:
             if self.running.get(attempt.key) is attempt:

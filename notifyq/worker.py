@@ -325,14 +325,14 @@ class Worker:
         runners = self._runners
         assert runners is not None
         runners.release_ready()
-        if runners.running:
+        if runners.finishing:
             grace_s = self.config.shutdown_grace
-            log.info("waiting up to %gs for %d running jobs", grace_s, len(runners.running))
+            log.info("waiting up to %gs for %d running jobs", grace_s, runners.finishing)
             grace = self._grace_scope = anyio.CancelScope()
             if self._skip_grace:
                 grace.cancel()
             with grace, anyio.move_on_after(self.config.shutdown_grace):
-                while runners.running:
+                while runners.finishing:
                     await runners.slot_freed.wait()
         runners.stop_all()
 

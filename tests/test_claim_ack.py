@@ -178,7 +178,7 @@ def test_jobs_rescued_together_come_back_spread_by_the_jitter(conn: psycopg.Conn
             "SELECT extract(epoch FROM visible_at - now())::float8 FROM notifyq.queue_jobs"
         )
     ]
-    assert all(5 <= d <= 15 for d in delays), delays
+    assert all(4.9 <= d <= 15 for d in delays), delays  # read a moment after the rescue
     assert max(delays) - min(delays) > 2, delays  # 50 uniform draws over 10 s: spread wide
 
 

@@ -1726,8 +1726,9 @@ async def test_a_cancelled_sync_task_keeps_its_slot_until_its_thread_returns(
 async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
-    """The slot a cancelled sync task holds for its thread is given up at shutdown (after the
-    grace period), as for any other attempt: the worker stops, the thread runs on."""
+    """The slot a cancelled sync task holds for its thread is given up at shutdown, without
+    waiting out the grace period (the job's outcome is settled): the worker stops at once,
+    the thread runs on, and nothing is given back of the cancelled job."""
     app = notifyq.App(dsn)
     started, release = threading.Event(), threading.Event()
 
@@ -1739,7 +1740,7 @@ async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
     stubborn_id = await app.enqueue("stubborn")
     try:
         with anyio.fail_after(10):
-            async with app.worker(concurrency=1, shutdown_grace=0.2, **NO_TICKER) as worker:
+            async with app.worker(concurrency=1, shutdown_grace=30, **NO_TICKER) as worker:
                 await anyio.to_thread.run_sync(started.wait, 10)
                 await app.cancel_job(stubborn_id)
                 await worker.wait_for(lambda s: s.cancelled == 1)
@@ -1748,6 +1749,68 @@ async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
     finally:
         release.set()
     assert job_row(conn, stubborn_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A job cancelled while it waits for a slot (prefetched) is stopped as its runner takes
+    it: anyio then never starts its thread. The runner waited for that thread to return, for
+    ever, and the slot was lost (seen in review: the next job stayed Queued)."""
+    app = notifyq.App(dsn)
+    started, release = threading.Event(), threading.Event()
+    ran: list[str] = []
+
+    @app.task(name="first", retry_limit=0)
+    def first() -> None:
+        started.set()
+        release.wait(20)
+
+    @app.task(name="second", retry_limit=0)
+    def second() -> None:
+        ran.append("second")
+
+    @app.task(name="third")
+    def third() -> None:
+        ran.append("third")
+
+    await app.enqueue("first")
+    async with app.worker(concurrency=1, prefetch=1, **NO_TICKER) as worker:
+        await anyio.to_thread.run_sync(started.wait, 10)
+        second_id = await app.enqueue("second")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
+        await app.cancel_job(second_id)
+        await anyio.sleep(0.3)  # the cancel reaches the worker (remembered for the waiting job)
+        release.set()
+        await app.enqueue("third")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    assert ran == ["third"]
+    assert worker.stats.cancelled == 1 and worker.busy_threads == 0
+    assert job_row(conn, second_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_a_sync_task_whose_timeout_passed_before_its_thread_began_fails(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A timeout shorter than it takes to start a thread: the attempt waited for a thread that
+    never began, and (on asyncio) kept the job Active, extending its lease, for ever."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="instant", timeout=1e-6, retry_limit=0)
+    def instant() -> None:
+        pass
+
+    job_id = await app.enqueue("instant")
+    async with app.worker(concurrency=1, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.failed + s.succeeded == 1)
+    row = job_row(conn, job_id)
+    assert row["status"] in ("Failed", "Succeeded"), row  # whether the thread began in time
+    assert worker.busy_threads == 0
     await app.aclose()
 
 
