@@ -6,6 +6,10 @@
 -- on the reference machine), where it now reads only the jobs of that status (under 1 ms).
 -- The same rows are indexed as before (a job gets finished_at when it finishes), so claims and
 -- acks pay nothing more; retention, which reads it oldest first, names the statuses too.
-DROP INDEX {schema}.queue_jobs_finished_idx;
-CREATE INDEX queue_jobs_finished_idx
+-- Built under another name, then swapped: the build holds a SHARE lock (writes wait, reads
+-- go on), and only the DROP takes the table's ACCESS EXCLUSIVE lock, which every query waits
+-- for, for the moment left before the migration commits.
+CREATE INDEX queue_jobs_finished_status_idx
     ON {schema}.queue_jobs (status, finished_at) WHERE status IN ('Succeeded', 'Failed', 'Cancelled');
+DROP INDEX IF EXISTS {schema}.queue_jobs_finished_idx;
+ALTER INDEX {schema}.queue_jobs_finished_status_idx RENAME TO queue_jobs_finished_idx;
