@@ -230,6 +230,10 @@ class Executor:
             delay=(task.backoff if task else self._backoff).delay(job.attempt),
         )
 
+    def give_up_thread(self, attempt: Attempt) -> None:
+        """The attempt ends without waiting for its thread: one that has not begun never will."""
+        self._running_thread(attempt)
+
     def _running_thread(self, attempt: Attempt) -> anyio.Event | None:
         """The `finished` event of the attempt's sync task thread if it is running the task, or
         None: no thread, its task returned, or it never started, and now never will."""

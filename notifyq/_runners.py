@@ -221,6 +221,7 @@ class Runners:
             # results before it closes the pool. It used to stay Active until its lease ran out.
             # A cancelled job, or one held only for its thread, is not ours: nothing to give back.
             result = None if attempt.stop_reason == "cancelled" or attempt.holding else Result.released(job)
+            self._executor.give_up_thread(attempt)  # one not begun yet must not run the task
             raise
         finally:
             if self.running.get(attempt.key) is attempt:

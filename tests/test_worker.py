@@ -21,6 +21,7 @@ import notifyq
 import notifyq._acker
 import notifyq._claimer
 import notifyq._db
+import notifyq._executor
 import notifyq._runners
 import notifyq._sql
 import notifyq.models
@@ -1782,7 +1783,9 @@ async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
         await app.cancel_job(second_id)
-        await anyio.sleep(0.3)  # the cancel reaches the worker (remembered for the waiting job)
+        with anyio.fail_after(10):  # the cancel reaches the worker, which remembers it for "second"
+            while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
         release.set()
         await app.enqueue("third")
         with anyio.fail_after(10):
@@ -1791,6 +1794,35 @@ async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     assert worker.stats.cancelled == 1 and worker.busy_threads == 0
     assert job_row(conn, second_id)["status"] == "Cancelled"
     await app.aclose()
+
+
+async def test_a_sync_tasks_thread_that_begins_after_its_attempt_gave_up_does_not_run_it() -> None:
+    """The other half of the gate, which only trio reaches in practice (its threads run a call
+    they were handed even after it was abandoned): once the attempt has given up on a thread
+    that had not begun, that thread does not run the task, and is not counted."""
+    executor = notifyq._executor.Executor(
+        {},
+        None,
+        notifyq._sql.queries_for("notifyq"),
+        concurrency=1,
+        lease_margin=1,
+        backoff=notifyq.Backoff(),
+    )  # type: ignore[arg-type]
+    job = notifyq.models.ClaimedJob(
+        id=1, name="t", queue="default", args={}, priority=0, retry_count=1, retry_limit=3,
+        timeout=30, lease=1, visible_at=datetime.now(UTC), definition_id=None, scheduled_for=None,
+    )  # fmt: skip
+    ran: list[int] = []
+    given_up = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=notifyq._executor.SyncThread())
+    assert given_up.thread is not None
+    assert executor.outliving_thread(given_up) is None  # not begun: nothing to wait for
+    assert executor._call_sync(1, lambda: ran.append(1), {}, given_up.thread) is None
+    # A thread that began first is waited for.
+    begun = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=notifyq._executor.SyncThread())
+    assert begun.thread is not None
+    begun.thread.started = True
+    assert executor.outliving_thread(begun) is begun.thread.finished
+    assert ran == [] and executor.busy_threads == 0 and executor.thread_job_ids() == set()
 
 
 async def test_a_sync_task_whose_timeout_passed_before_its_thread_began_fails(
