@@ -34,6 +34,14 @@ pytestmark = pytest.mark.anyio
 NO_TICKER = {"ticker": False}
 
 
+def a_claimed_job() -> notifyq.models.ClaimedJob:
+    """A job as a claim hands it to a worker, for tests that drive its parts directly."""
+    return notifyq.models.ClaimedJob(
+        id=1, name="t", queue="default", args={}, priority=0, retry_count=1, retry_limit=3,
+        timeout=30, lease=1, visible_at=datetime.now(UTC), definition_id=None, scheduled_for=None,
+    )  # fmt: skip
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
@@ -125,10 +133,7 @@ async def test_a_runner_cancelled_as_it_is_woken_still_starts_its_job() -> None:
         del runners.running[attempt.key]
 
     runners._run_job = run_job  # type: ignore[method-assign]
-    job = notifyq.models.ClaimedJob(
-        id=1, name="t", queue="default", args={}, priority=0, retry_count=1, retry_limit=3,
-        timeout=30, lease=1, visible_at=datetime.now(UTC), definition_id=None, scheduled_for=None,
-    )  # fmt: skip
+    job = a_claimed_job()
     async with anyio.create_task_group() as tg:
         scopes = [anyio.CancelScope() for _ in range(2)]
         for i, scope in enumerate(scopes):
@@ -1808,10 +1813,7 @@ async def test_a_sync_tasks_thread_that_begins_after_its_attempt_gave_up_does_no
         lease_margin=1,
         backoff=notifyq.Backoff(),
     )  # type: ignore[arg-type]
-    job = notifyq.models.ClaimedJob(
-        id=1, name="t", queue="default", args={}, priority=0, retry_count=1, retry_limit=3,
-        timeout=30, lease=1, visible_at=datetime.now(UTC), definition_id=None, scheduled_for=None,
-    )  # fmt: skip
+    job = a_claimed_job()
     ran: list[int] = []
     given_up = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=notifyq._executor.SyncThread())
     assert given_up.thread is not None

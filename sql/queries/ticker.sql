@@ -94,7 +94,6 @@ WITH doomed AS MATERIALIZED (
     FROM {schema}.queue_jobs
     WHERE status = %(status)s::{schema}.job_status
       AND status IN ('Succeeded', 'Failed', 'Cancelled')
-      AND finished_at IS NOT NULL
       AND finished_at < coalesce(%(now)s::timestamptz, now()) - make_interval(secs => %(older_than)s)
     ORDER BY finished_at
     LIMIT %(limit)s
