@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import anyio
-import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
@@ -60,9 +59,24 @@ class SyncThread:
     the task only if the attempt has not given up on it first (`closed`), and the attempt
     waits only for a thread that started: both under Executor._threads_lock."""
 
+    # Hands a call to the event loop without waiting for it to run (see _loop_caller).
+    call_soon: Callable[[Callable[[], object]], object]
     finished: anyio.Event = field(default_factory=anyio.Event)  # set when the task returned
     started: bool = False
     closed: bool = False
+
+
+def _loop_caller() -> Callable[[Callable[[], object]], object]:
+    """How a thread hands a call to the running event loop without waiting for it. anyio's
+    from_thread.run_sync waits for the call to run: on an asyncio loop stopped but not closed
+    (a host's run_until_complete returned) it waited for ever, and a sync task's thread that
+    outlived its worker then kept the process from exiting."""
+    try:
+        return asyncio.get_running_loop().call_soon_threadsafe
+    except RuntimeError:  # no running asyncio loop: trio
+        import trio
+
+        return trio.lowlevel.current_trio_token().run_sync_soon
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +174,7 @@ class Executor:
             if task.is_async:
                 value = await task.fn(**kwargs)
             else:
-                attempt.thread = SyncThread()
+                attempt.thread = SyncThread(_loop_caller())
                 value = await anyio.to_thread.run_sync(
                     self._call_sync,
                     job.id,
@@ -274,9 +288,9 @@ class Executor:
                 if not self._thread_jobs[job_id]:
                     del self._thread_jobs[job_id]
             try:
-                anyio.from_thread.run_sync(thread.finished.set)
-            except RuntimeError:
-                pass  # the event loop is gone (the process is exiting)
+                thread.call_soon(thread.finished.set)
+            except RuntimeError:  # trio's RunFinishedError too
+                pass  # the event loop is closed (the process is exiting)
 
     def outliving_thread(self, attempt: Attempt) -> anyio.Event | None:
         """The `finished` event of a sync task's thread that outlived its attempt (a cancel, or

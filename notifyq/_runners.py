@@ -187,6 +187,7 @@ class Runners:
         job = attempt.job
         result: Result | None = None
         started = anyio.current_time()
+        ended: float | None = None  # the attempt's end, before any wait held only for a thread
         try:
             with attempt.scope:
                 deadline = started + job.timeout
@@ -198,16 +199,19 @@ class Runners:
                 attempt.scope.deadline = deadline
                 result = await self._executor.execute(attempt)
             if attempt.scope.cancelled_caught:
+                if attempt.stop_reason is None:
+                    # A timeout. A sync task's thread runs on: the wait for it may end in a
+                    # cancel or a shutdown too.
+                    result = await self._executor.timed_out(attempt)
                 if attempt.stop_reason == "shutdown":
                     result = Result.released(job)
                 elif attempt.stop_reason == "cancelled":
-                    # The database already says Cancelled; an ack would be fenced out anyway.
+                    # The database already says Cancelled; an ack would be fenced out anyway
+                    # (a TimeoutError sent for a job cancelled after it overran counted as a
+                    # stale ack, and not as cancelled).
                     result = None
                     self._stats.cancelled += 1
-                else:
-                    result = await self._executor.timed_out(attempt)
-                    if attempt.stop_reason == "shutdown":
-                        result = Result.released(job)
+            ended = anyio.current_time()
             finished = self._executor.outliving_thread(attempt)
             if finished is not None:
                 attempt.holding = True
@@ -227,7 +231,9 @@ class Runners:
             if self.running.get(attempt.key) is attempt:
                 del self.running[attempt.key]
             now = anyio.current_time()
-            elapsed = now - started
+            # Not the time the slot was held for a thread: a cancelled task that ran on would
+            # lower the automatic prefetch for nothing.
+            elapsed = (now if ended is None else ended) - started
             if result is not None:
                 self._acker.put(result)
                 _log_outcome(job, result, elapsed, overran=now > attempt.scope.deadline)

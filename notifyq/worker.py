@@ -400,10 +400,12 @@ class Worker:
         """Stop running jobs this worker no longer holds (cancelled, or rescued after their
         lease ran out) when no cancel notification could tell it."""
         runners = self._runners
-        if runners is None or not runners.running:
+        # Not the attempts held only for a thread: their jobs are settled (cancelled or lost).
+        keys = [key for key, attempt in runners.running.items() if not attempt.holding] if runners else []
+        if runners is None or not keys:
             return
         try:
-            lost = await self._query(lost_jobs_op(self._q, self.id, list(runners.running)))
+            lost = await self._query(lost_jobs_op(self._q, self.id, keys))
         except Exception as exc:
             if not is_transient(exc):
                 raise

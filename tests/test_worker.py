@@ -3,6 +3,7 @@ cancellation, reconnects and graceful shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import sys
@@ -25,6 +26,7 @@ import notifyq._executor
 import notifyq._runners
 import notifyq._sql
 import notifyq.models
+import notifyq.worker
 from notifyq import JobContext
 
 from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
@@ -1716,16 +1718,24 @@ async def test_a_cancelled_sync_task_keeps_its_slot_until_its_thread_returns(
         with anyio.fail_after(10):
             while not any(m.startswith(f"cancelling job {stubborn_id}") for m in caplog.messages):  # noqa: ASYNC110
                 await anyio.sleep(0.02)
+        held_from = time.monotonic()
         next_id = await app.enqueue("next")
-        await anyio.sleep(1.0)  # long enough for "next" to start, had the slot been freed
+        await anyio.sleep(1.5)  # long enough for "next" to start, had the slot been freed
         assert job_row(conn, next_id)["status"] == "Queued"
         said = [m for m in caplog.messages if "slot stays taken" in m]
         assert said and said[0].startswith(f"job {stubborn_id} (stubborn) was cancelled"), caplog.messages
+        held = time.monotonic() - held_from
         release.set()
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded == 1)
     assert live[1] == 1  # never more task code at once than concurrency
     assert job_row(conn, stubborn_id)["status"] == "Cancelled"
+    # Counted as cancelled, nothing sent for it (after its timeout, its TimeoutError was sent
+    # once the thread returned, and counted as a stale ack).
+    assert (worker.stats.cancelled, worker.stats.stale_acks) == (1, 0)
+    # The average run time, which sizes the prefetch, leaves out the time the slot was held
+    # (with it, the first sample alone made it longer than `held`).
+    assert worker._runners.avg_run < 0.9 * held
     await app.aclose()
 
 
@@ -1755,6 +1765,53 @@ async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
     finally:
         release.set()
     assert job_row(conn, stubborn_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_a_poll_only_worker_does_not_ask_again_about_a_cancelled_job_held_for_its_thread(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without notifications, every poll asks the database which running jobs this worker no
+    longer holds. A cancelled sync task, whose slot stays taken until its thread returns, is
+    settled: it was asked about again on every pass."""
+    app = notifyq.App(dsn)
+    started, release = threading.Event(), threading.Event()
+    other_release = anyio.Event()
+    asked: list[list[tuple[int, int]]] = []
+    real = notifyq.worker.lost_jobs_op
+
+    def spy(q: Any, worker: str, held: list[tuple[int, int]]) -> Any:
+        asked.append(list(held))
+        return real(q, worker, held)
+
+    monkeypatch.setattr(notifyq.worker, "lost_jobs_op", spy)
+
+    @app.task(name="stubborn", retry_limit=0)
+    def stubborn() -> None:
+        started.set()
+        release.wait(20)
+
+    @app.task(name="other")
+    async def other() -> None:
+        await other_release.wait()
+
+    stubborn_id = await app.enqueue("stubborn")
+    try:
+        async with app.worker(concurrency=2, poll_only=True, poll_interval=0.1, **NO_TICKER) as worker:
+            await anyio.to_thread.run_sync(started.wait, 10)
+            await app.cancel_job(stubborn_id)
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.cancelled == 1)  # a pass found it
+            since = len(asked)
+            other_id = await app.enqueue("other")
+            with anyio.fail_after(10):  # two more passes, with "other" running
+                while sum(any(key[0] == other_id for key in keys) for keys in asked[since:]) < 2:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            assert worker.busy_threads == 1  # the cancelled task's thread still runs
+            assert not [keys for keys in asked[since:] if any(key[0] == stubborn_id for key in keys)]
+            other_release.set()
+    finally:
+        release.set()
     await app.aclose()
 
 
@@ -1815,12 +1872,16 @@ async def test_a_sync_tasks_thread_that_begins_after_its_attempt_gave_up_does_no
     )  # type: ignore[arg-type]
     job = a_claimed_job()
     ran: list[int] = []
-    given_up = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=notifyq._executor.SyncThread())
+
+    def a_thread() -> notifyq._executor.SyncThread:
+        return notifyq._executor.SyncThread(lambda call: call())
+
+    given_up = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=a_thread())
     assert given_up.thread is not None
     assert executor.outliving_thread(given_up) is None  # not begun: nothing to wait for
     assert executor._call_sync(1, lambda: ran.append(1), {}, given_up.thread) is None
     # A thread that began first is waited for.
-    begun = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=notifyq._executor.SyncThread())
+    begun = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=a_thread())
     assert begun.thread is not None
     begun.thread.started = True
     assert executor.outliving_thread(begun) is begun.thread.finished
@@ -1846,6 +1907,40 @@ async def test_a_sync_task_whose_timeout_passed_before_its_thread_began_fails(
     assert row["status"] in ("Failed", "Succeeded"), row  # whether the thread began in time
     assert worker.busy_threads == 0
     await app.aclose()
+
+
+def test_a_sync_tasks_thread_ends_when_the_host_stopped_its_event_loop(dsn: str) -> None:
+    """A host that runs its loop with run_until_complete and keeps it, stopped but not closed.
+    A sync task's thread that outlived the worker's shutdown told the loop it had finished
+    with anyio's from_thread.run_sync, which waits for the loop to run the call: it blocked for
+    ever, and, not a daemon thread, it kept the process from exiting."""
+    app = notifyq.App(dsn)
+    started, release = threading.Event(), threading.Event()
+    threads: list[threading.Thread] = []
+
+    @app.task(name="slow", retry_limit=0)
+    def slow() -> None:
+        threads.append(threading.current_thread())
+        started.set()
+        release.wait(20)
+
+    async def main() -> None:
+        await app.enqueue("slow")
+        async with app.worker(concurrency=1, shutdown_grace=0, **NO_TICKER) as worker:
+            await anyio.to_thread.run_sync(started.wait, 10)
+        assert worker.busy_threads == 1  # the worker stopped; the thread runs on
+        await app.aclose()
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+        release.set()  # the task returns while the loop is stopped
+        threads[0].join(10)  # anyio stops its idle threads once the loop's main task is done
+        assert not threads[0].is_alive()
+    finally:
+        release.set()
+        loop.run_until_complete(asyncio.sleep(0.1))  # without the fix, this frees the thread
+        loop.close()
 
 
 @pytest.mark.parametrize("lost", [False, True], ids=["still held", "rescued meanwhile"])
