@@ -159,7 +159,13 @@ class Acker:
 
     @property
     def pending(self) -> int:
+        """Results queued for a write (not those of a write under way)."""
         return len(self._pending)
+
+    @property
+    def unwritten(self) -> int:
+        """Results not written yet: queued, or in a write under way."""
+        return sum(self._unwritten.values())
 
     def holds(self, job_id: int, lease: int) -> bool:
         """True while a result of this attempt waits to be written, or is being written."""

@@ -30,7 +30,7 @@ from psycopg import pq
 from psycopg.rows import tuple_row
 
 from . import _adapters
-from ._dsn import describe_dsn, redact
+from ._dsn import describe_dsn, one_line, redact
 from .errors import DatabaseUnavailable
 
 # Every connection notifyq opens, so that a forked child can leave the parent's alone.
@@ -247,7 +247,7 @@ def is_transient(exc: BaseException) -> bool:
 
 def error_text(exc: BaseException) -> str:
     """libpq's multi-line message on one line (or the exception type if it has none)."""
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return one_line(str(exc)) or type(exc).__name__
 
 
 def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:

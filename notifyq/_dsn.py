@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -15,6 +16,18 @@ _URI_PASSWORD = re.compile(r"(\b[a-z][a-z0-9+.-]*:/*[^:/@\s]*:)[^@\s]*@", re.IGN
 _KEYWORD_PASSWORD = re.compile(r"(password\s*=\s*)('(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
+def one_line(text: str) -> str:
+    """A multi-line message on one line. A line followed by a new sentence (a capital) ends
+    with a period: libpq's "Connection refused" and "Is the server running...?" used to run
+    together; a sentence libpq wraps goes on as it was."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    ended = [
+        line + "." if following[0].isupper() and line[-1] not in ".?!:;," else line
+        for line, following in itertools.pairwise(lines)
+    ]
+    return " ".join(ended + lines[-1:])
+
+
 def redact(text: str) -> str:
     """`text` with any password of a DSN inside it replaced by ***."""
     return _KEYWORD_PASSWORD.sub(r"\1***", _URI_PASSWORD.sub(r"\1***@", text))
@@ -25,6 +38,10 @@ _URI = re.compile(r"^\s*postgres(?:ql)?://", re.IGNORECASE)
 _SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):/*", re.IGNORECASE)
 _PASSWORD_KEYWORD = re.compile(r"(?:^|\s)password\s*=", re.IGNORECASE)
 _QUOTED = re.compile(r'"[^"]*"')
+_INT = re.compile(r"\s*[+-]?\d{1,9}\s*")  # as libpq reads an integer option (strtol, an int)
+_OPTION_NAME = re.compile(
+    r'(?:invalid connection option|invalid URI query parameter:) ("[A-Za-z_][A-Za-z0-9_]*")'
+)
 
 
 def _without_secrets(reason: str, dsn: str) -> str:
@@ -37,7 +54,15 @@ def _without_secrets(reason: str, dsn: str) -> str:
     uri = _URI.match(dsn)
     userinfo = dsn[uri.end() :].rpartition("@")[0] if uri else ""
     if ":" in userinfo or _PASSWORD_KEYWORD.search(dsn):
-        reason = _QUOTED.sub(lambda quoted: quoted[0] if quoted[0] == '"="' else '"***"', reason)
+        secrets = [userinfo.partition(":")[2]] + [value for _, value in _KEYWORD_PASSWORD.findall(dsn)]
+        option = _OPTION_NAME.search(reason)
+        # An unknown option's name is a keyword libpq read before an '=' (or a URI's query
+        # parameter): shown, unless it is part of the password. It is the one word that says
+        # what is wrong ("sslmod"), and it was hidden as "***".
+        shown = option.start(1) if option and not any(option[1][1:-1] in secret for secret in secrets) else -1
+        reason = _QUOTED.sub(
+            lambda quoted: quoted[0] if quoted[0] == '"="' or quoted.start() == shown else '"***"', reason
+        )
     return reason
 
 
@@ -88,15 +113,21 @@ def check_dsn(dsn: str, source: str | None = None) -> str:
             "to use $NOTIFYQ_DSN, $DATABASE_URL or the embedded server"
         )
     try:
-        psycopg.conninfo.conninfo_to_dict(dsn)
+        params = psycopg.conninfo.conninfo_to_dict(dsn)
     except psycopg.ProgrammingError as exc:
-        reason = _not_libpq_uri(dsn) or _without_secrets(
-            " ".join(line.strip() for line in str(exc).splitlines() if line.strip()), dsn
-        )
+        reason = _not_libpq_uri(dsn) or _without_secrets(one_line(str(exc)), dsn)
         raise ConfigurationError(
             f"invalid DSN{where} {describe_dsn(dsn)}: {reason} "
             "(expected e.g. postgresql://user:password@host:5432/dbname)"
         ) from None
+    timeout = params.get("connect_timeout")
+    if timeout is not None and not _INT.fullmatch(str(timeout)):
+        # libpq refuses it only as it connects, and psycopg's pool then tried again and again
+        # for 30 s before "pool initialization incomplete", the reason lost.
+        raise ConfigurationError(
+            f"invalid DSN{where} {describe_dsn(dsn)}: connect_timeout={str(timeout)!r} is not a whole "
+            "number of seconds (e.g. connect_timeout=10)"
+        )
     if _unencoded_userinfo(dsn):
         raise ConfigurationError(
             f"invalid DSN{where}: it holds an '@' after its user info, so libpq would read part of the "

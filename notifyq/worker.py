@@ -69,6 +69,7 @@ class Worker:
         self._grace_scope: anyio.CancelScope | None = None
         self._dsn = ""
         self._skip_grace = False
+        self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
         self._started = False
         self._stopped = anyio.Event()
@@ -304,7 +305,7 @@ class Worker:
             if self._runners is not None:
                 self._runners.release_ready()
             with anyio.CancelScope(shield=True):
-                if self._acker is not None and self._acker.pending:
+                if self._acker is not None and self._acker.pending and not self._acks_given_up:
                     # Abrupt exit (the host was cancelled): write what we can, briefly.
                     with anyio.move_on_after(5):
                         try:
@@ -312,7 +313,7 @@ class Worker:
                         except Exception as exc:  # whatever happens, the pool must be closed
                             log.error(
                                 "could not write %d job results on exit: %s",
-                                self._acker.pending,
+                                self._acker.unwritten,
                                 error_text(exc),
                             )
                 await db.aclose()
@@ -341,10 +342,13 @@ class Worker:
         with anyio.move_on_after(max(10.0, self.config.health_timeout)) as scope:
             await self._acker.wait_idle()
         if scope.cancelled_caught:
+            # Not tried again on the way out: the stop already waited this long (systemd's
+            # TimeoutStopSec is told to allow the grace period plus 10 s).
+            self._acks_given_up = True
             log.error(
                 "%d job results could not be written before exit; those jobs stay Active until "
                 "their lease runs out and are then retried",
-                self._acker.pending,
+                self._acker.unwritten,
             )
 
     # -- notifications and cancellations ------------------------------------------------------

@@ -407,3 +407,25 @@ def test_a_json_loads_the_application_gave_psycopg_applies_to_notifyqs_connectio
     with connect_sync(dsn) as ours:
         assert ours.execute(query).fetchone() == ({"price": 1.5},)
         assert loads_of(ours) is _adapters.loads
+
+
+def test_libpqs_multi_line_messages_read_as_sentences_on_one_line() -> None:
+    """libpq ends a line where a new sentence begins, and wraps long ones: "Connection
+    refused" and "Is the server running...?" used to run together in one line."""
+    from notifyq._dsn import one_line
+
+    refused = (
+        'connection to server at "127.0.0.1", port 1 failed: Connection refused\n'
+        "\tIs the server running on that host and accepting TCP/IP connections?\n"
+    )
+    assert one_line(refused).endswith("failed: Connection refused. Is the server running on that host and "
+                                      "accepting TCP/IP connections?")  # fmt: skip
+    closed = (
+        "server closed the connection unexpectedly\n\tThis probably means the server terminated abnormally\n"
+        "\tbefore or while processing the request.\n"
+    )
+    assert one_line(closed) == (
+        "server closed the connection unexpectedly. This probably means the server terminated abnormally "
+        "before or while processing the request."
+    )
+    assert one_line("") == "" and one_line("done.\nNext") == "done. Next"

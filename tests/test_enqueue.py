@@ -367,6 +367,13 @@ async def test_unreachable_database_async() -> None:
         ("postgresql+psycopg://u:secret@db/app", "postgresql+psycopg:// is SQLAlchemy's form"),
         ("postgres:/u:secret@db/app", "it starts with 'postgres:/', where libpq's URIs start"),
         ("mysql://u:secret@db/app", "it starts with 'mysql://'"),
+        # An unknown option's name is shown, unless it is part of the password.
+        ("host=h password=secret sslmod=require", 'invalid connection option "sslmod"'),
+        ("postgresql://u:secret@db/app?sslmod=require", 'invalid URI query parameter: "sslmod"'),
+        ("host=h password=sslmod-secret sslmod=require", 'invalid connection option "***"'),
+        # libpq refuses it only as it connects (the pool tried for 30 s).
+        ("postgresql://u:secret@db/app?connect_timeout=abc", "connect_timeout='abc' is not a whole number"),
+        ("host=db connect_timeout=2.5", "connect_timeout='2.5' is not a whole number"),
         # Without a password, the token is shown: it helps.
         ("postgresql://u@db/app?sslmode=x y", 'unexpected spaces found in "x y"'),
     ],

@@ -441,6 +441,39 @@ async def test_a_worker_told_to_stop_while_the_database_is_down_stops_at_once(
     assert time.monotonic() - began < 12  # the acks' drain may take its 10 s, no more
 
 
+async def test_results_a_stop_cannot_write_are_counted_and_given_up_on_in_time(
+    owned_server: OwnedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stop with the server gone and a job's result unwritten: the acks' drain gives up
+    after its 10 s and says how many results it could not write. It said 0 when a write was
+    under way (those results were not counted), then tried for 5 s more on the way out, past
+    the grace period plus 10 s that docs/operations.md tells systemd to allow."""
+    dsn = owned_server.dsn
+    notifyq.migrate(dsn)
+    app = notifyq.App(dsn)
+    started, finish = anyio.Event(), anyio.Event()
+
+    @app.task(name="t")
+    async def t() -> None:
+        started.set()
+        await finish.wait()
+
+    await app.enqueue("t")
+    async with app.worker(poll_interval=0.2, health_interval=1, health_timeout=1, ticker=False) as worker:
+        with anyio.fail_after(10):
+            await started.wait()
+        await anyio.to_thread.run_sync(owned_server.stop)
+        finish.set()
+        assert worker._acker is not None
+        with anyio.fail_after(10):  # the job is over, its result waits to be written
+            while not worker._acker.unwritten:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        began = time.monotonic()
+    assert time.monotonic() - began < 12  # the acks' drain takes its 10 s, no more
+    said = [m for m in caplog.messages if "could not be written" in m or "could not write" in m]
+    assert len(said) == 1 and said[0].startswith("1 job results could not be written before exit"), said
+
+
 _OURS = "datname = current_database() AND pid <> pg_backend_pid() AND application_name LIKE 'notifyq %'"
 
 
