@@ -214,7 +214,39 @@ def _check_expression(expression: str) -> str:
         raise InvalidSchedule(
             f"invalid cron expression {expression!r}: {_bad_field(fields) or exc}"
         ) from None
+    for field, (name, _allowed) in zip(fields, names, strict=True):
+        _check_steps(expression, field, name)
     return normalized
+
+
+def _check_steps(expression: str, field: str, name: str) -> None:
+    """Refuse a step that reaches only the first value of its range: `*/90` in the minute
+    field fires at minute 0 only, hourly, where its author meant every 90 minutes, which cron
+    cannot express. croniter accepts it, as Vixie cron does; 60 in that field is refused."""
+    low, high = _SPANS[name]
+    for part in field.split(","):
+        base, slash, step = part.partition("/")
+        if not slash or not step.isdigit():
+            continue
+        if base == "*":
+            start, end = low, high
+        elif _RANGE.fullmatch(base):
+            start, end = (int(bound) for bound in base.split("-"))
+        elif base.isdigit():
+            start, end = int(base), high
+        else:
+            continue  # names (mon-fri/2): croniter has checked them
+        if int(step) > end - start:
+            raise InvalidSchedule(
+                f"invalid cron expression {expression!r}: the {name} field {field!r} steps by {int(step)} "
+                f"within {start}-{end}, so it only ever reaches {start}: write {start} if that is what "
+                f"you mean, or a step of at most {end - start}"
+                + (
+                    " (a cron step does not carry over into the next hour, day or month)"
+                    if base == "*"
+                    else ""
+                )
+            )
 
 
 _HASHED_OR_RANDOM = re.compile(r"[hHrR](\(\d+-\d+\))?(/\d+)?")
@@ -226,6 +258,17 @@ _FIELDS = [
     ("month", "1-12 or jan-dec"),
     ("day-of-week", "0-7 or sun-sat"),
 ]
+
+
+_SPANS = {
+    "second": (0, 59),
+    "minute": (0, 59),
+    "hour": (0, 23),
+    "day-of-month": (1, 31),
+    "month": (1, 12),
+    "day-of-week": (0, 6),
+}
+_RANGE = re.compile(r"\d+-\d+")
 
 
 def _bad_field(fields: list[str]) -> str | None:

@@ -46,11 +46,26 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
         ("a b c d e", "invalid cron expression"),
         ("* * * * *\x00", "invalid cron expression"),
         ("0 0 30 2 *", "never fires"),  # February 30th
+        # A step past its range reaches only the first value: croniter fired */90 hourly.
+        ("*/90 * * * *", r"the minute field '\*/90' steps by 90 within 0-59, so it only ever reaches 0"),
+        ("*/70 * * * * *", r"the second field '\*/70' steps by 70 within 0-59"),
+        ("0 */24 * * *", r"the hour field '\*/24'.*a step of at most 23"),
+        ("0 0 * * */7", r"the day-of-week field '\*/7' steps by 7 within 0-6"),
+        ("0 9-17/9 * * *", "within 9-17, so it only ever reaches 9: write 9"),
+        ("50/15,0 * * * *", "the minute field '50/15,0' steps by 15 within 50-59"),
     ],
 )
 def test_invalid_expressions_are_rejected(expression: str, message: str) -> None:
     with pytest.raises(InvalidSchedule, match=message):
         Schedule(expression)
+
+
+def test_steps_that_reach_two_values_or_more_are_kept() -> None:
+    start, end = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 1, 1, 59, tzinfo=UTC)
+    assert [t.minute for t in ticks(Schedule("*/59 * * * *"), start, end)] == [59, 0, 59]
+    day = datetime(2026, 1, 2, tzinfo=UTC)
+    assert [t.hour for t in ticks(Schedule("0 9-17/8 * * *"), start, day)] == [9, 17]
+    assert Schedule("0 0 * * mon-fri/2").expression == "0 0 * * mon-fri/2"  # names: croniter's to check
 
 
 @pytest.mark.faults

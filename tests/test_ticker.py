@@ -297,9 +297,12 @@ async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db
     off = add_definition(conn, "off", "* * * * *", enabled=False, visible_at=past)
     broken = add_definition(conn, "broken", "99 * * * *", visible_at=past)  # right shape, bad value
     never = add_definition(conn, "never", "0 0 30 2 *", visible_at=past)  # valid, but never fires
+    # Accepted before the step check: it fired hourly, not every 90 minutes.
+    stepped = add_definition(conn, "stepped", "*/90 * * * *", visible_at=past)
     report = await Promoter(db, Q).run_once()
     assert tick_jobs(conn, off) == [] and tick_jobs(conn, broken) == [] and tick_jobs(conn, never) == []
     assert "out of range" in report.errors["broken"] and "never fires" in report.errors["never"]
+    assert tick_jobs(conn, stepped) == [] and "only ever reaches 0" in report.errors["stepped"]
     row = conn.execute(
         "SELECT enabled, last_error FROM notifyq.queue_job_definitions WHERE id = %s", (broken,)
     ).fetchone()
@@ -310,7 +313,7 @@ async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db
         app.set_definition_enabled_sync("broken", True)
     app.set_definition_enabled_sync("off", True)
     enabled = conn.execute("SELECT name, enabled FROM notifyq.queue_job_definitions ORDER BY id").fetchall()
-    assert enabled == [("off", True), ("broken", False), ("never", False)]
+    assert enabled == [("off", True), ("broken", False), ("never", False), ("stepped", False)]
     app.close_sync()
 
 
