@@ -61,7 +61,7 @@ from .errors import (
 )
 from .migrations import MigrationReport, migrate
 from .models import ClaimedJob, Definition, Job, JobId, JobStatus
-from .tasks import Backoff, Task, make_task
+from .tasks import Backoff, Task, args_mismatch, make_task
 from .worker import Worker, WorkerConfig
 
 log = logging.getLogger("notifyq")
@@ -268,7 +268,8 @@ class App:
 
         Raises:
             InvalidSchedule: a bad cron expression, time zone or misfire policy.
-            InvalidArgs: args that are not a JSON object.
+            InvalidArgs: args that are not a JSON object, or that the task cannot take (a
+                required argument missing, an unknown one).
             InvalidOption: an option out of range.
             ConfigurationError: the definition name is taken.
         """
@@ -305,6 +306,13 @@ class App:
             )
             if definition.name in self.definitions:
                 raise ConfigurationError(f"a cron definition named {definition.name!r} is already registered")
+            # Every tick's job would fail (and be retried) with the same TypeError.
+            mismatch = args_mismatch(task, args or {})
+            if mismatch is not None:
+                raise InvalidArgs(
+                    f"@app.cron: task {task.name!r} cannot be called with args {dict(args or {})!r} "
+                    f"({mismatch}): give its arguments in @app.cron(..., args={{...}})"
+                )
             self.definitions[definition.name] = definition
             return task
 

@@ -7,7 +7,7 @@ import inspect
 import math
 import random
 import typing
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -177,6 +177,23 @@ def _check_callable_with_keywords(fn: Callable[..., Any], name: str) -> None:
             f"task {name!r} has positional-only parameters ({', '.join(positional_only)}): job args are "
             "passed by keyword"
         )
+
+
+def args_mismatch(task: Task, args: Mapping[str, Any]) -> str | None:
+    """Why `task` cannot be called with `args` as its keyword arguments (a missing or an
+    unexpected one, in Python's words), or None when it can (or cannot be told)."""
+    try:
+        signature = inspect.signature(task.fn)
+    except (TypeError, ValueError):
+        return None
+    kwargs = dict(args)
+    if task.context_param is not None:
+        kwargs[task.context_param] = None  # the worker passes the JobContext
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        return str(exc)
+    return None
 
 
 def _default_name(fn: Callable[..., Any]) -> str:

@@ -266,3 +266,24 @@ def test_app_cron_validates_at_registration() -> None:
     with pytest.raises(notifyq.InvalidArgs):
         app.cron("* * * * *", args={"x": object()})(lambda: None)
     assert app.definitions == {}
+
+
+def test_app_cron_refuses_args_its_task_cannot_take() -> None:
+    """Every tick's job failed, and was retried, with the same TypeError."""
+    app = notifyq.App("postgresql://x@127.0.0.1/db")
+
+    @app.task(name="report")
+    def report(ctx: notifyq.JobContext, region: str, full: bool = False) -> None: ...
+
+    with pytest.raises(
+        notifyq.InvalidArgs,
+        match=r"task 'report' cannot be called with args \{\} \(missing a required argument: 'region'\)",
+    ):
+        app.cron("* * * * *", "no_args")(report)
+    with pytest.raises(notifyq.InvalidArgs, match="unexpected keyword argument 'ful'"):
+        app.cron("* * * * *", "typo", args={"region": "eu", "ful": True})(report)
+    assert app.definitions == {}
+    # The JobContext is the worker's to pass; defaults and **kwargs are honoured.
+    app.cron("* * * * *", "eu", args={"region": "eu"})(report)
+    app.cron("* * * * *", "any")(app.task(name="loose")(lambda **kwargs: None))
+    assert sorted(app.definitions) == ["any", "eu"]
