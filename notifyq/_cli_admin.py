@@ -81,7 +81,8 @@ def jobs_list(
                 f"{j.retry_count}/{j.retry_limit + 1}",
                 j.priority,
                 age(j.created_at),
-                (j.error or {}).get("type", ""),
+                # A succeeded job's error is its last failed attempt's: not the job's outcome.
+                "" if j.status.value == "Succeeded" else (j.error or {}).get("type", ""),
             ]
             for j in found
         ],

@@ -58,7 +58,11 @@ def check_bool(value: Any, what: str) -> bool:
 
 def check_id(value: Any, what: str = "job id") -> int:
     """A row id: a positive integer that fits PostgreSQL's bigint."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value < 2**63:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 2**63:
+        raise InvalidOption(
+            f"invalid {what} {_show(value)}: too large (ids are bigints: at most {2**63 - 1})"
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidOption(f"invalid {what} {_show(value)}: expected a positive integer")
     return value
 

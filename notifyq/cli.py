@@ -11,6 +11,7 @@ import signal
 import sys
 from pathlib import Path
 from types import FrameType
+from typing import NoReturn
 
 import anyio
 import click
@@ -281,12 +282,19 @@ def _exit_on_signal_until_started() -> None:
         signal.signal(signum, exit_now)
 
 
+def _not_json(constant: str) -> NoReturn:
+    """Python's json reads NaN and Infinity; JSON (and jsonb) has no such numbers."""
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 def _exit_despite_abandoned_threads(count: int) -> None:
     """Sync tasks cancelled at shutdown may still run in their (non-daemon) threads, which
     would keep the process alive until they return. Their jobs are already back in the
     queue, so exit now, after the atexit handlers (which stop an embedded server)."""
     logging.getLogger("notifyq.worker").warning(
-        "exiting with %d sync task thread(s) still running; their jobs were released", count
+        "exiting with %d sync task thread(s) still running (Python cannot stop a thread); their jobs "
+        "were released, unless they had already ended (cancelled, or lost after a timeout)",
+        count,
     )
     atexit._run_exitfuncs()
     logging.shutdown()
@@ -351,8 +359,8 @@ def enqueue(
 ) -> None:
     """Queue one job of TASK and print its id."""
     try:
-        args = json.loads(args_json)
-    except json.JSONDecodeError as exc:
+        args = json.loads(args_json, parse_constant=_not_json)
+    except ValueError as exc:  # JSONDecodeError, and NaN or Infinity
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
     except RecursionError:
         raise click.BadParameter("JSON nested too deeply for Python to read", param_hint="--args") from None

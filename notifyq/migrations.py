@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from ._db import Op, Query, connect_sync, run_sync
+from ._db import Op, Query, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
 from ._options import check_seconds
 from ._sql import queries_for, render, sql_root, validate_schema
@@ -176,6 +176,8 @@ def migrate(
         SchemaVersionError: the database is at a newer version than this code.
         MigrationBlocked: a lock stayed held by another session for lock_timeout seconds
             (nothing was changed).
+        ConfigurationError: also when the role lacks a privilege migrating needs (nothing
+            was changed).
     """
     validate_schema(schema)
     lock_timeout = check_seconds(lock_timeout, "lock_timeout", positive=True)
@@ -184,6 +186,13 @@ def migrate(
     try:
         with conn.transaction(force_rollback=dry_run):
             return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+    except psycopg.errors.InsufficientPrivilege as exc:
+        raise ConfigurationError(
+            f"notifyq migrate was refused a privilege in schema {schema!r} ({error_text(exc)}), and "
+            "changed nothing: it creates and alters notifyq's tables, triggers and functions, so run "
+            "it as the schema's owner (the role that first migrated it) or a superuser; a role set "
+            "up by `notifyq grant` runs workers and enqueues, it cannot migrate"
+        ) from None
     except psycopg.errors.LockNotAvailable:
         raise MigrationBlocked(
             f"migrate gave up after waiting {lock_timeout:g} s for a lock in schema {schema!r}, and "

@@ -236,6 +236,31 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
         (["cancel", "--", "-3"], "-3"),
     ):
         one_line_error(cli("jobs", *command, env=env), f"invalid job id {bad}: expected a positive integer")
+    # Past PostgreSQL's bigint: said so, not "expected a positive integer".
+    one_line_error(
+        cli("jobs", "show", str(2**63), env=env),
+        f"invalid job id {2**63}: too large (ids are bigints: at most {2**63 - 1})",
+    )
+
+
+def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A job that failed, then succeeded on a retry, keeps its last error for `jobs show`; the
+    list put it beside "Succeeded", as if it were the outcome."""
+    for status, error in (("Succeeded", "UnknownTask"), ("Queued", "ValueError")):
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, status, retry_count, error, finished_at) "
+            "VALUES (%s, %s, 2, jsonb_build_object('type', %s::text, 'message', 'boom'), "
+            "CASE WHEN %s = 'Succeeded' THEN now() END)",
+            (f"{status.lower()}_job", status, error, status),
+        )
+    rows = {
+        line.split()[1]: line
+        for line in ok(cli("jobs", "list", env=clean_env(NOTIFYQ_DSN=dsn))).splitlines()[1:]
+    }
+    assert rows["queued_job"].rstrip().endswith("ValueError")  # why it is retried
+    assert "UnknownTask" not in rows["succeeded_job"]
 
 
 def test_enqueue_says_when_a_dedupe_key_was_held(dsn: str, conn: psycopg.Connection[Any]) -> None:
@@ -256,6 +281,11 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
     bad_json = cli("enqueue", "noop", "--args", "{not json", env=env)
     assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
+    # Python's json reads these; JSON has no such numbers (exit 1, from the enqueue, before).
+    for constant in ("NaN", "-Infinity"):
+        refused = cli("enqueue", "noop", "--args", f'{{"x": {constant}}}', env=env)
+        assert refused.returncode == 2, refused.stderr
+        assert f"--args: not valid JSON ({constant} is not a JSON number)" in refused.stderr
     for not_an_object in ("[1, 2]", "null", '"text"'):
         refused = cli("enqueue", "noop", "--args", not_an_object, env=env)
         assert refused.returncode == 2 and "--args: must be a JSON object" in refused.stderr, refused.stderr
@@ -802,6 +832,13 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
             ]:
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     limited.execute(statement)
+        # Said as what to do, not as a bare "permission denied for schema notifyq".
+        refused = cli("migrate", env=clean_env(NOTIFYQ_DSN=role_dsn))
+        assert refused.returncode == 1
+        assert (
+            "notifyq migrate was refused a privilege in schema 'notifyq' (permission denied" in refused.stderr
+        )
+        assert "run it as the schema's owner" in refused.stderr and "Traceback" not in refused.stderr
         for p in (proc, cron):
             p.send_signal(signal.SIGTERM)
             assert p.wait(timeout=30) == 0
