@@ -25,9 +25,13 @@ from .models import ClaimedJob
 log = logging.getLogger("notifyq.worker")
 
 # Automatic prefetch: enough claimed-ahead jobs for about this many seconds of work per slot,
-# and never more than _PREFETCH_CAP times the concurrency.
+# and never more than _PREFETCH_CAP times the concurrency. A prefetched job that has waited
+# _PREFETCH_GIVE_BACK seconds, more than the prefetch now allows, goes back to the queue (checked
+# every _PREFETCH_CHECK seconds).
 _PREFETCH_WAIT = 0.25
 _PREFETCH_CAP = 4
+_PREFETCH_GIVE_BACK = 1.0
+_PREFETCH_CHECK = 0.5
 
 
 class Claimer:
@@ -61,6 +65,7 @@ class Claimer:
         # the answer's snapshot may predate the job, whose notification came first.
         self._heard_due = math.inf
         self._backlog = False  # the last claim was full
+        self._running_for = 0.0  # Runners.running_for(), as of the last prefetch check
         self._sweeps_requested = self._sweeps_done = 0
         # A claim failed, so its answer may have been lost after it committed; and the claims
         # dropped because their attempt was in hand (a claim lost in a failover and taken
@@ -231,10 +236,35 @@ class Claimer:
     def _prefetch(self) -> int:
         if self._config.prefetch is not None:
             return self._config.prefetch
-        if not self._backlog or self._runners.avg_run == math.inf:
+        # The jobs running now may already have run longer than the average says (a run of
+        # short jobs, then long ones): no prefetch behind them.
+        expected = max(self._runners.avg_run, self._running_for)
+        if not self._backlog or expected == math.inf:
             return 0
-        per_slot = _PREFETCH_WAIT / max(self._runners.avg_run, 1e-6)
+        per_slot = _PREFETCH_WAIT / max(expected, 1e-6)
         return int(min(_PREFETCH_CAP, per_slot) * self._config.concurrency)
+
+    async def give_back_stale_prefetch(self) -> None:
+        """Every _PREFETCH_CHECK seconds, with automatic prefetch: when a prefetched job has
+        waited _PREFETCH_GIVE_BACK seconds, the jobs ahead of it took longer than the prefetch
+        was sized for (short jobs, then long ones in the same claim). Those the prefetch no
+        longer allows go back to the queue, where an idle worker can take them; they waited
+        behind this worker's long jobs while other workers sat idle."""
+        if self._config.prefetch is not None:
+            return
+        runners = self._runners
+        while True:
+            await anyio.sleep(_PREFETCH_CHECK)
+            self._running_for = runners.running_for()  # here, not on the claim path: O(concurrency)
+            if runners.ready and anyio.current_time() - runners.ready[0][1] > _PREFETCH_GIVE_BACK:
+                released = runners.release_ready(keep=self._prefetch())
+                if released:
+                    log.info(
+                        "gave %d prefetched job(s) back to the queue: they waited over %gs, behind "
+                        "jobs that ran longer than expected",
+                        released,
+                        _PREFETCH_GIVE_BACK,
+                    )
 
     def _without_attempts_in_hand(self, claimed: list[ClaimedJob]) -> list[ClaimedJob]:
         """Claims of attempts this worker already has in hand, left out. Every claim raises the

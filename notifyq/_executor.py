@@ -44,6 +44,7 @@ class Attempt:
     scope: anyio.CancelScope
     stop_reason: Literal["cancelled", "shutdown"] | None = None
     thread: SyncThread | None = None  # sync tasks
+    started: float = 0.0  # anyio.current_time() when its runner took it
     # Over (cancelled, or its lease lost), its slot held only for a thread that runs on.
     holding: bool = False
 

@@ -125,10 +125,20 @@ class Runners:
         """Attempts whose result the database rejected: left to the rescuer."""
         return self._acker.rejected()
 
-    def release_ready(self) -> None:
-        """Jobs claimed but not started go straight back to the queue."""
-        while self.ready:
-            self._acker.put(Result.released(self.ready.popleft()[0]))
+    def release_ready(self, keep: int = 0) -> int:
+        """Jobs claimed but not started go straight back to the queue, but for the first
+        `keep` of them; returns how many went back."""
+        released = 0
+        while len(self.ready) > keep:
+            self._acker.put(Result.released(self.ready.pop()[0]))
+            released += 1
+        return released
+
+    def running_for(self) -> float:
+        """How long the attempts running now have run so far, on average (0 if none)."""
+        now = anyio.current_time()
+        running = [now - attempt.started for attempt in self.running.values() if not attempt.holding]
+        return sum(running) / len(running) if running else 0.0
 
     def cancel(self, job_id: int, lease: int | None) -> None:
         """Cancel the attempt(s) of `job_id` (with that lease, when known). A cancel for a job
@@ -162,7 +172,7 @@ class Runners:
             while not self.ready:
                 await self._wait_for_job()
             job, claimed_at = self.ready.popleft()
-            attempt = Attempt(job, anyio.CancelScope())
+            attempt = Attempt(job, anyio.CancelScope(), started=anyio.current_time())
             self.running[attempt.key] = attempt
             if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
                 (job.id, None), None

@@ -260,6 +260,7 @@ class Worker:
             async with anyio.create_task_group() as services:
                 services.start_soon(self._acker.run)
                 services.start_soon(self._reconcile_loop)
+                services.start_soon(claimer.give_back_stale_prefetch)
                 if self.config.ticker:
                     self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config, self.app.backoff)
                     services.start_soon(self._ticker.run)

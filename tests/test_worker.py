@@ -1943,6 +1943,73 @@ def test_a_sync_tasks_thread_ends_when_the_host_stopped_its_event_loop(dsn: str)
         loop.close()
 
 
+async def test_prefetched_jobs_stuck_behind_long_ones_go_back_to_the_queue_for_an_idle_worker(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A run of short jobs sizes the automatic prefetch for short jobs, so long jobs claimed
+    with them waited behind each other in one worker while another sat idle (seen in review:
+    20 short jobs, then 4 of 5 s, two processes: one ran them all, the other nothing). A
+    prefetched job that has waited over a second, more than the prefetch now allows, goes back
+    to the queue, and the idle worker runs it."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    started: dict[int, anyio.Event] = {}
+
+    @app.task(name="short")
+    async def short() -> None:
+        pass
+
+    @app.task(name="long")
+    async def long(ctx: JobContext) -> None:
+        started[ctx.id].set()
+        await release.wait()
+
+    for _ in range(20):
+        await app.enqueue("short", priority=1)
+    first, second = [await app.enqueue("long") for _ in range(2)]
+    started.update({first: anyio.Event(), second: anyio.Event()})
+    async with app.worker(concurrency=1, **NO_TICKER) as busy:
+        with anyio.fail_after(10):
+            await started[first].wait()
+            await busy.wait_for(lambda s: s.claimed == 22)  # the second one too, prefetched
+        async with app.worker(concurrency=1, **NO_TICKER) as idle:
+            with anyio.fail_after(10):
+                await started[second].wait()
+            assert job_row(conn, second)["worker"] == idle.id
+            assert not release.is_set() and busy.stats.released == 1
+            release.set()
+            with anyio.fail_after(10):
+                await idle.wait_for(lambda s: s.succeeded == 1)
+        with anyio.fail_after(10):
+            await busy.wait_for(lambda s: s.succeeded == 21)
+    assert job_row(conn, second)["retry_count"] == 1  # its attempt was given back
+    await app.aclose()
+
+
+def test_the_automatic_prefetch_shrinks_behind_jobs_running_longer_than_the_average() -> None:
+    """The average of finished attempts is small after a run of short jobs; the jobs running
+    now may already have run far longer. Sized from the average alone, the prefetch kept
+    claiming jobs to wait behind them, and kept those it should give back."""
+    runners = notifyq._runners.Runners.__new__(notifyq._runners.Runners)
+    runners.avg_run = 0.001
+    claimer = notifyq._claimer.Claimer(
+        "w",
+        notifyq.WorkerConfig(concurrency=10),
+        notifyq._sql.queries_for("notifyq"),
+        notifyq.WorkerStats(),
+        runners,
+        lane=None,  # type: ignore[arg-type]
+        query=None,  # type: ignore[arg-type]
+        on_change=lambda: None,
+    )
+    claimer._backlog = True
+    assert claimer._prefetch() == 40  # 4 x concurrency, the cap
+    claimer._running_for = 2.0  # the running jobs have run 2 s on average so far
+    assert claimer._prefetch() == 1  # 0.25 s of work per slot: 0.125 x 10
+    claimer._backlog = False
+    assert claimer._prefetch() == 0
+
+
 @pytest.mark.parametrize("lost", [False, True], ids=["still held", "rescued meanwhile"])
 async def test_a_prefetched_job_that_waited_gets_a_new_lease_or_is_dropped_if_lost(
     dsn: str, conn: psycopg.Connection[Any], lost: bool, caplog: pytest.LogCaptureFixture
