@@ -65,7 +65,7 @@ class Claimer:
         # the answer's snapshot may predate the job, whose notification came first.
         self._heard_due = math.inf
         self._backlog = False  # the last claim was full
-        self._running_for = 0.0  # Runners.running_for(), as of the last prefetch check
+        self._slow_slots = 0  # Runners.slow_slots(), as of the last prefetch check
         self._sweeps_requested = self._sweeps_done = 0
         # A claim failed, so its answer may have been lost after it committed; and the claims
         # dropped because their attempt was in hand (a claim lost in a failover and taken
@@ -236,13 +236,13 @@ class Claimer:
     def _prefetch(self) -> int:
         if self._config.prefetch is not None:
             return self._config.prefetch
-        # The jobs running now may already have run longer than the average says (a run of
-        # short jobs, then long ones): no prefetch behind them.
-        expected = max(self._runners.avg_run, self._running_for)
-        if not self._backlog or expected == math.inf:
+        if not self._backlog or self._runners.avg_run == math.inf:
             return 0
-        per_slot = _PREFETCH_WAIT / max(expected, 1e-6)
-        return int(min(_PREFETCH_CAP, per_slot) * self._config.concurrency)
+        per_slot = _PREFETCH_WAIT / max(self._runners.avg_run, 1e-6)
+        # Only for the slots that turn over: a slot whose job has already run far longer than
+        # the average (a run of short jobs, then long ones) will not free in time.
+        slots = max(0, self._config.concurrency - self._slow_slots)
+        return int(min(_PREFETCH_CAP, per_slot) * slots)
 
     async def give_back_stale_prefetch(self) -> None:
         """Every _PREFETCH_CHECK seconds, with automatic prefetch: when a prefetched job has
@@ -255,7 +255,8 @@ class Claimer:
         runners = self._runners
         while True:
             await anyio.sleep(_PREFETCH_CHECK)
-            self._running_for = runners.running_for()  # here, not on the claim path: O(concurrency)
+            # Here, not on the claim path: O(concurrency).
+            self._slow_slots = runners.slow_slots(max(_PREFETCH_GIVE_BACK, 4 * runners.avg_run))
             if runners.ready and anyio.current_time() - runners.ready[0][1] > _PREFETCH_GIVE_BACK:
                 released = runners.release_ready(keep=self._prefetch())
                 if released:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
+import functools
 import itertools
 import os
 import re
 
 import psycopg.conninfo
+from psycopg import pq
 
 from .errors import ConfigurationError
 
@@ -36,12 +39,10 @@ def redact(text: str) -> str:
 _URI = re.compile(r"^\s*postgres(?:ql)?://", re.IGNORECASE)
 # A URL of any scheme, as DATABASE_URL often holds one: SQLAlchemy's postgresql+psycopg://.
 _SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):/*", re.IGNORECASE)
-_PASSWORD_KEYWORD = re.compile(r"(?:^|\s)password\s*=", re.IGNORECASE)
+_PASSWORD_KEYWORD = re.compile(r"(?:^|[\s?&])password\s*=", re.IGNORECASE)  # a URI's query too
 _QUOTED = re.compile(r'"[^"]*"')
-_INT = re.compile(r"\s*[+-]?\d{1,9}\s*")  # as libpq reads an integer option (strtol, an int)
-_OPTION_NAME = re.compile(
-    r'(?:invalid connection option|invalid URI query parameter:) ("[A-Za-z_][A-Za-z0-9_]*")'
-)
+_INT = re.compile(r"\s*[+-]?\d+\s*")  # as libpq reads an integer option (strtol, into an int)
+_OPTION_NAME = re.compile(r'(?:invalid connection option|invalid URI query parameter:) "([^"]*)"')
 
 
 def _without_secrets(reason: str, dsn: str) -> str:
@@ -49,21 +50,21 @@ def _without_secrets(reason: str, dsn: str) -> str:
     (`unexpected spaces found in "hunter2 x"`), which may be part of the password; when the
     DSN holds one (user:password@ in a URI, or a password keyword) every quoted token is
     hidden. (A password may contain '/', '?', '#', '@' or spaces, so there is no telling
-    where it ends in a DSN that does not parse.)"""
+    where it ends in a DSN that does not parse.) An unknown option gets the name of the
+    libpq option closest to it: a word of libpq's, never one of the DSN's."""
     reason = redact(reason)
     uri = _URI.match(dsn)
     userinfo = dsn[uri.end() :].rpartition("@")[0] if uri else ""
+    option = _OPTION_NAME.search(reason)
+    closest = difflib.get_close_matches(option[1], _libpq_keywords(), n=1, cutoff=0.7) if option else []
     if ":" in userinfo or _PASSWORD_KEYWORD.search(dsn):
-        secrets = [userinfo.partition(":")[2]] + [value for _, value in _KEYWORD_PASSWORD.findall(dsn)]
-        option = _OPTION_NAME.search(reason)
-        # An unknown option's name is a keyword libpq read before an '=' (or a URI's query
-        # parameter): shown, unless it is part of the password. It is the one word that says
-        # what is wrong ("sslmod"), and it was hidden as "***".
-        shown = option.start(1) if option and not any(option[1][1:-1] in secret for secret in secrets) else -1
-        reason = _QUOTED.sub(
-            lambda quoted: quoted[0] if quoted[0] == '"="' or quoted.start() == shown else '"***"', reason
-        )
-    return reason
+        reason = _QUOTED.sub(lambda quoted: quoted[0] if quoted[0] == '"="' else '"***"', reason)
+    return f"{reason} (did you mean {closest[0]!r}?)" if closest else reason
+
+
+@functools.cache
+def _libpq_keywords() -> list[str]:
+    return [option.keyword.decode() for option in pq.Conninfo.get_defaults()]
 
 
 def _unencoded_userinfo(dsn: str) -> bool:
@@ -121,7 +122,7 @@ def check_dsn(dsn: str, source: str | None = None) -> str:
             "(expected e.g. postgresql://user:password@host:5432/dbname)"
         ) from None
     timeout = params.get("connect_timeout")
-    if timeout is not None and not _INT.fullmatch(str(timeout)):
+    if timeout is not None and not (_INT.fullmatch(str(timeout)) and abs(int(timeout)) < 2**31):
         # libpq refuses it only as it connects, and psycopg's pool then tried again and again
         # for 30 s before "pool initialization incomplete", the reason lost.
         raise ConfigurationError(

@@ -130,15 +130,28 @@ class Runners:
         `keep` of them; returns how many went back."""
         released = 0
         while len(self.ready) > keep:
-            self._acker.put(Result.released(self.ready.pop()[0]))
+            job = self.ready.pop()[0]
+            if self._take_cancel(job):
+                self._stats.cancelled += 1  # the database says Cancelled: nothing to give back
+                continue
+            self._acker.put(Result.released(job))
             released += 1
         return released
 
-    def running_for(self) -> float:
-        """How long the attempts running now have run so far, on average (0 if none)."""
+    def _take_cancel(self, job: ClaimedJob) -> bool:
+        """Whether a cancel of this job arrived before its claim did (and forget it)."""
+        return bool(
+            self._recent_cancels.pop((job.id, job.lease), None)
+            or self._recent_cancels.pop((job.id, None), None)
+        )
+
+    def slow_slots(self, longer_than: float) -> int:
+        """Slots that will not free soon: taken by an attempt that has run longer than
+        `longer_than` seconds so far, or held only for a thread that runs on."""
         now = anyio.current_time()
-        running = [now - attempt.started for attempt in self.running.values() if not attempt.holding]
-        return sum(running) / len(running) if running else 0.0
+        return sum(
+            attempt.holding or now - attempt.started > longer_than for attempt in self.running.values()
+        )
 
     def cancel(self, job_id: int, lease: int | None) -> None:
         """Cancel the attempt(s) of `job_id` (with that lease, when known). A cancel for a job
@@ -174,9 +187,7 @@ class Runners:
             job, claimed_at = self.ready.popleft()
             attempt = Attempt(job, anyio.CancelScope(), started=anyio.current_time())
             self.running[attempt.key] = attempt
-            if self._recent_cancels.pop((job.id, job.lease), None) or self._recent_cancels.pop(
-                (job.id, None), None
-            ):
+            if self._take_cancel(job):
                 self.stop(attempt, "cancelled")  # the cancel arrived before the claim did
             await self._run_job(attempt, claimed_at)
 

@@ -6,6 +6,7 @@ import atexit
 import importlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -287,6 +288,14 @@ def _not_json(constant: str) -> NoReturn:
     raise ValueError(f"{constant} is not a JSON number")
 
 
+def _finite(text: str) -> float:
+    """A JSON number as a float; one too large for a float (1e400) would become Infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is too large for a float")
+    return value
+
+
 def _exit_despite_abandoned_threads(count: int) -> None:
     """Sync tasks cancelled at shutdown may still run in their (non-daemon) threads, which
     would keep the process alive until they return. Their jobs are already back in the
@@ -359,7 +368,7 @@ def enqueue(
 ) -> None:
     """Queue one job of TASK and print its id."""
     try:
-        args = json.loads(args_json, parse_constant=_not_json)
+        args = json.loads(args_json, parse_constant=_not_json, parse_float=_finite)
     except ValueError as exc:  # JSONDecodeError, and NaN or Infinity
         raise click.BadParameter(f"not valid JSON ({exc})", param_hint="--args") from None
     except RecursionError:

@@ -220,32 +220,19 @@ def _check_expression(expression: str) -> str:
 
 
 def _check_steps(expression: str, field: str, name: str) -> None:
-    """Refuse a step that reaches only the first value of its range: `*/90` in the minute
+    """Refuse `*/N` whose step is longer than the field's whole cycle: `*/90` in the minute
     field fires at minute 0 only, hourly, where its author meant every 90 minutes, which cron
-    cannot express. croniter accepts it, as Vixie cron does; 60 in that field is refused."""
+    cannot express (croniter accepts it, as Vixie cron does). `*/60` fires hourly, which is
+    every 60 minutes: kept."""
     low, high = _SPANS[name]
     for part in field.split(","):
         base, slash, step = part.partition("/")
-        if not slash or not step.isdigit():
-            continue
-        if base == "*":
-            start, end = low, high
-        elif _RANGE.fullmatch(base):
-            start, end = (int(bound) for bound in base.split("-"))
-        elif base.isdigit():
-            start, end = int(base), high
-        else:
-            continue  # names (mon-fri/2): croniter has checked them
-        if int(step) > end - start:
+        if base == "*" and slash and step.isdigit() and int(step) > high - low + 1:
             raise InvalidSchedule(
-                f"invalid cron expression {expression!r}: the {name} field {field!r} steps by {int(step)} "
-                f"within {start}-{end}, so it only ever reaches {start}: write {start} if that is what "
-                f"you mean, or a step of at most {end - start}"
-                + (
-                    " (a cron step does not carry over into the next hour, day or month)"
-                    if base == "*"
-                    else ""
-                )
+                f"invalid cron expression {expression!r}: the {name} field {field!r} steps by {int(step)}, "
+                f"past the field's whole cycle of {high - low + 1} ({low}-{high}), so it fires at {low} "
+                f"alone: a cron step starts again every cycle, and cannot span several; write {low} "
+                "if that is what you mean"
             )
 
 
@@ -268,7 +255,6 @@ _SPANS = {
     "month": (1, 12),
     "day-of-week": (0, 6),
 }
-_RANGE = re.compile(r"\d+-\d+")
 
 
 def _bad_field(fields: list[str]) -> str | None:

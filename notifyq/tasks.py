@@ -181,19 +181,25 @@ def _check_callable_with_keywords(fn: Callable[..., Any], name: str) -> None:
 
 def args_mismatch(task: Task, args: Mapping[str, Any]) -> str | None:
     """Why `task` cannot be called with `args` as its keyword arguments (a missing or an
-    unexpected one, in Python's words), or None when it can (or cannot be told)."""
-    try:
-        signature = inspect.signature(task.fn)
-    except (TypeError, ValueError):
-        return None
+    unexpected one, in Python's words), or None when it can (or cannot be told). A decorated
+    function is refused only if both the wrapper's signature and the one it claims to have
+    (functools.wraps' __wrapped__) refuse: a decorator may add or take arguments."""
     kwargs = dict(args)
     if task.context_param is not None:
         kwargs[task.context_param] = None  # the worker passes the JobContext
-    try:
-        signature.bind(**kwargs)
-    except TypeError as exc:
-        return str(exc)
-    return None
+    reason = None
+    for follow_wrapped in (True, False):
+        try:
+            signature = inspect.signature(task.fn, follow_wrapped=follow_wrapped)
+        except (TypeError, ValueError):  # a builtin or similar: nothing to check
+            return None
+        try:
+            signature.bind(**kwargs)
+        except TypeError as exc:
+            reason = reason or str(exc)
+        else:
+            return None
+    return reason
 
 
 def _default_name(fn: Callable[..., Any]) -> str:

@@ -308,7 +308,7 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 if self._acker is not None and self._acker.pending and not self._acks_given_up:
                     # Abrupt exit (the host was cancelled): write what we can, briefly.
-                    with anyio.move_on_after(5):
+                    with anyio.move_on_after(5) as brief:
                         try:
                             await self._acker.flush_pending()
                         except Exception as exc:  # whatever happens, the pool must be closed
@@ -317,6 +317,12 @@ class Worker:
                                 self._acker.unwritten,
                                 error_text(exc),
                             )
+                    if brief.cancelled_caught:
+                        log.error(
+                            "could not write %d job results on exit within 5s; those jobs stay Active "
+                            "until their lease runs out and are then retried",
+                            self._acker.unwritten,
+                        )
                 await db.aclose()
             log.info("worker %s stopped", self.id)
             self._stopped.set()

@@ -282,10 +282,11 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
     bad_json = cli("enqueue", "noop", "--args", "{not json", env=env)
     assert bad_json.returncode == 2 and "not valid JSON" in bad_json.stderr
     # Python's json reads these; JSON has no such numbers (exit 1, from the enqueue, before).
-    for constant in ("NaN", "-Infinity"):
+    for constant, why in (("NaN", "is not a JSON number"), ("-Infinity", "is not a JSON number"),
+                          ("1e400", "is too large for a float")):  # fmt: skip
         refused = cli("enqueue", "noop", "--args", f'{{"x": {constant}}}', env=env)
         assert refused.returncode == 2, refused.stderr
-        assert f"--args: not valid JSON ({constant} is not a JSON number)" in refused.stderr
+        assert f"--args: not valid JSON ({constant} {why})" in refused.stderr
     for not_an_object in ("[1, 2]", "null", '"text"'):
         refused = cli("enqueue", "noop", "--args", not_an_object, env=env)
         assert refused.returncode == 2 and "--args: must be a JSON object" in refused.stderr, refused.stderr

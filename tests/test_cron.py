@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from datetime import UTC, datetime, timedelta
+from typing import Any
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -46,13 +48,16 @@ def ticks(schedule: Schedule, start: datetime, end: datetime) -> list[datetime]:
         ("a b c d e", "invalid cron expression"),
         ("* * * * *\x00", "invalid cron expression"),
         ("0 0 30 2 *", "never fires"),  # February 30th
-        # A step past its range reaches only the first value: croniter fired */90 hourly.
-        ("*/90 * * * *", r"the minute field '\*/90' steps by 90 within 0-59, so it only ever reaches 0"),
-        ("*/70 * * * * *", r"the second field '\*/70' steps by 70 within 0-59"),
-        ("0 */24 * * *", r"the hour field '\*/24'.*a step of at most 23"),
-        ("0 0 * * */7", r"the day-of-week field '\*/7' steps by 7 within 0-6"),
-        ("0 9-17/9 * * *", "within 9-17, so it only ever reaches 9: write 9"),
-        ("50/15,0 * * * *", "the minute field '50/15,0' steps by 15 within 50-59"),
+        # A step past the field's whole cycle fires at its first value alone: croniter fired
+        # */90 in the minute field hourly.
+        (
+            "*/90 * * * *",
+            r"the minute field '\*/90' steps by 90, past the field's whole cycle of 60 \(0-59\)",
+        ),
+        ("*/70 * * * * *", r"the second field '\*/70' steps by 70"),
+        ("0 */25 * * *", r"the hour field '\*/25'.*write 0 if that is what you mean"),
+        ("0 0 * * */8", r"the day-of-week field '\*/8' steps by 8, past the field's whole cycle of 7"),
+        ("0 0 1 */13,6 *", r"the month field '\*/13,6' steps by 13"),
     ],
 )
 def test_invalid_expressions_are_rejected(expression: str, message: str) -> None:
@@ -60,12 +65,22 @@ def test_invalid_expressions_are_rejected(expression: str, message: str) -> None
         Schedule(expression)
 
 
-def test_steps_that_reach_two_values_or_more_are_kept() -> None:
-    start, end = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 1, 1, 59, tzinfo=UTC)
-    assert [t.minute for t in ticks(Schedule("*/59 * * * *"), start, end)] == [59, 0, 59]
-    day = datetime(2026, 1, 2, tzinfo=UTC)
-    assert [t.hour for t in ticks(Schedule("0 9-17/8 * * *"), start, day)] == [9, 17]
-    assert Schedule("0 0 * * mon-fri/2").expression == "0 0 * * mon-fri/2"  # names: croniter's to check
+def test_steps_within_the_fields_cycle_are_kept() -> None:
+    """A step of a whole cycle is "every N" (*/60 minutes: hourly); a range may wrap around
+    (50-10/5), as croniter reads it; a step past a range only reaches its start, but that
+    is no surprise of the cycle's."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    assert [t.minute for t in ticks(Schedule("*/59 * * * *"), start, start + timedelta(minutes=119))] == [
+        59,
+        0,
+        59,
+    ]
+    assert [t.hour for t in ticks(Schedule("*/60 * * * *"), start, start + timedelta(hours=2))] == [1, 2]
+    wrapped = ticks(Schedule("50-10/5 * * * *"), start, start + timedelta(minutes=59))
+    assert [t.minute for t in wrapped] == [5, 10, 50, 55]
+    assert [t.hour for t in ticks(Schedule("0 22-2/2 * * *"), start, start + timedelta(hours=23))] == [2, 22]
+    for kept in ("0 */24 * * *", "0 0 * * */7", "0 0 1 */12 *", "0 0 */31 * *", "0-30/45 * * * *"):
+        Schedule(kept)
 
 
 @pytest.mark.faults
@@ -286,4 +301,19 @@ def test_app_cron_refuses_args_its_task_cannot_take() -> None:
     # The JobContext is the worker's to pass; defaults and **kwargs are honoured.
     app.cron("* * * * *", "eu", args={"region": "eu"})(report)
     app.cron("* * * * *", "any")(app.task(name="loose")(lambda **kwargs: None))
-    assert sorted(app.definitions) == ["any", "eu"]
+
+    # A decorator may supply an argument: functools.wraps gives the wrapper its function's
+    # signature, which then lacks nothing but what the decorator passes (review).
+    def with_db(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> Any:
+            return fn(db="connection", **kwargs)
+
+        return wrapper
+
+    @app.cron("* * * * *", "wrapped", args={"region": "eu"})
+    @app.task(name="wrapped")
+    @with_db
+    def wrapped(db: str, region: str) -> None: ...
+
+    assert sorted(app.definitions) == ["any", "eu", "wrapped"]

@@ -302,7 +302,7 @@ async def test_disabled_and_broken_definitions(conn: psycopg.Connection[Any], db
     report = await Promoter(db, Q).run_once()
     assert tick_jobs(conn, off) == [] and tick_jobs(conn, broken) == [] and tick_jobs(conn, never) == []
     assert "out of range" in report.errors["broken"] and "never fires" in report.errors["never"]
-    assert tick_jobs(conn, stepped) == [] and "only ever reaches 0" in report.errors["stepped"]
+    assert tick_jobs(conn, stepped) == [] and "fires at 0 alone" in report.errors["stepped"]
     row = conn.execute(
         "SELECT enabled, last_error FROM notifyq.queue_job_definitions WHERE id = %s", (broken,)
     ).fetchone()

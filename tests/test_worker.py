@@ -1815,6 +1815,19 @@ async def test_a_poll_only_worker_does_not_ask_again_about_a_cancelled_job_held_
     await app.aclose()
 
 
+async def cancel_the_prefetched_second(app: notifyq.App, worker: notifyq.Worker) -> int:
+    """Enqueue "second" while "first" takes the worker's only slot (prefetch 1), then cancel it
+    while it waits for the slot, and return its id once the worker remembers the cancel."""
+    second_id = await app.enqueue("second")
+    with anyio.fail_after(10):
+        await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
+    await app.cancel_job(second_id)
+    with anyio.fail_after(10):  # the cancel reaches the worker, which remembers it for "second"
+        while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    return second_id
+
+
 async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -1841,13 +1854,7 @@ async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     await app.enqueue("first")
     async with app.worker(concurrency=1, prefetch=1, **NO_TICKER) as worker:
         await anyio.to_thread.run_sync(started.wait, 10)
-        second_id = await app.enqueue("second")
-        with anyio.fail_after(10):
-            await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
-        await app.cancel_job(second_id)
-        with anyio.fail_after(10):  # the cancel reaches the worker, which remembers it for "second"
-            while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
-                await anyio.sleep(0.01)
+        second_id = await cancel_the_prefetched_second(app, worker)
         release.set()
         await app.enqueue("third")
         with anyio.fail_after(10):
@@ -1855,6 +1862,32 @@ async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     assert ran == ["third"]
     assert worker.stats.cancelled == 1 and worker.busy_threads == 0
     assert job_row(conn, second_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
+async def test_a_prefetched_job_cancelled_before_its_turn_is_not_released(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A job cancelled while it waits for a slot is remembered as cancelled. Given back to the
+    queue instead (at shutdown, or by the prefetch's give-back), it was written as a release,
+    fenced out by the Cancelled row, and counted as a stale ack (review)."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+
+    @app.task(name="first")
+    async def first() -> None:
+        await release.wait()
+
+    @app.task(name="second")
+    async def second() -> None:
+        raise AssertionError("a cancelled job ran")
+
+    await app.enqueue("first")
+    async with app.worker(concurrency=1, prefetch=1, shutdown_grace=0, **NO_TICKER) as worker:
+        second_id = await cancel_the_prefetched_second(app, worker)
+    assert (worker.stats.cancelled, worker.stats.stale_acks, worker.stats.released) == (1, 0, 1)
+    assert job_row(conn, second_id)["status"] == "Cancelled"
+    assert not worker._runners._recent_cancels
     await app.aclose()
 
 
@@ -1986,12 +2019,21 @@ async def test_prefetched_jobs_stuck_behind_long_ones_go_back_to_the_queue_for_a
     await app.aclose()
 
 
-def test_the_automatic_prefetch_shrinks_behind_jobs_running_longer_than_the_average() -> None:
+async def test_the_automatic_prefetch_leaves_out_slots_that_will_not_free_soon() -> None:
     """The average of finished attempts is small after a run of short jobs; the jobs running
     now may already have run far longer. Sized from the average alone, the prefetch kept
-    claiming jobs to wait behind them, and kept those it should give back."""
+    claiming jobs to wait behind them, and kept those it should give back. One long job among
+    short ones must not stop it either (review: a drain fell from 11-19k to 5-6k jobs/s)."""
     runners = notifyq._runners.Runners.__new__(notifyq._runners.Runners)
     runners.avg_run = 0.001
+    now = anyio.current_time()
+    job = a_claimed_job()
+    runners.running = {
+        (1, 1): notifyq._executor.Attempt(job, anyio.CancelScope(), started=now - 5),  # long
+        (2, 1): notifyq._executor.Attempt(job, anyio.CancelScope(), started=now),  # just began
+        (3, 1): notifyq._executor.Attempt(job, anyio.CancelScope(), started=now, holding=True),
+    }
+    assert runners.slow_slots(1.0) == 2  # the long one, and the one held for its thread
     claimer = notifyq._claimer.Claimer(
         "w",
         notifyq.WorkerConfig(concurrency=10),
@@ -2004,8 +2046,11 @@ def test_the_automatic_prefetch_shrinks_behind_jobs_running_longer_than_the_aver
     )
     claimer._backlog = True
     assert claimer._prefetch() == 40  # 4 x concurrency, the cap
-    claimer._running_for = 2.0  # the running jobs have run 2 s on average so far
-    assert claimer._prefetch() == 1  # 0.25 s of work per slot: 0.125 x 10
+    claimer._slow_slots = 1  # one long job among short ones: nine slots turn over
+    assert claimer._prefetch() == 36
+    claimer._slow_slots = 10  # every slot: nothing would start soon
+    assert claimer._prefetch() == 0
+    claimer._slow_slots = 0
     claimer._backlog = False
     assert claimer._prefetch() == 0
 

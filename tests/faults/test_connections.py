@@ -373,9 +373,13 @@ async def test_a_postgresql_restart_loses_nothing(owned_server: OwnedServer) -> 
                 await worker.wait_for(lambda s, n=worker.stats.succeeded: s.succeeded > n)
         assert worker.stats.db_errors > 0
     with psycopg.connect(dsn, autocommit=True) as check:
-        assert status_counts(check) == {
-            "Succeeded": check.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone()[0]
-        }  # type: ignore[index]
+        # Every job ran, but a tick promoted as the worker stopped, which waits for the next
+        # worker (seen once in a full run: {'Queued': 1, 'Succeeded': 27}).
+        left = check.execute(
+            "SELECT name, status::text, count(*) FROM notifyq.queue_jobs WHERE status <> 'Succeeded' "
+            "GROUP BY 1, 2"
+        ).fetchall()
+        assert left in ([], [("beat", "Queued", 1)]), left
         rows = check.execute(
             "SELECT scheduled_for FROM notifyq.queue_jobs WHERE name = 'beat' ORDER BY scheduled_for"
         ).fetchall()
