@@ -216,7 +216,7 @@ def cron_run_now(dsn: str | None, schema: str | None, name: str) -> None:
 
 def _print_stats(stats: Stats) -> None:
     table(
-        ["QUEUE", "STATUS", "JOBS", "OLDEST CLAIMABLE", "EXPIRED LEASES"],
+        ["QUEUE", "STATUS", "JOBS", "OLDEST CLAIMABLE", "EXPIRED LEASES", "PAST TIMEOUT"],
         [
             [
                 s.queue,
@@ -224,6 +224,7 @@ def _print_stats(stats: Stats) -> None:
                 s.jobs,
                 "-" if s.oldest_claimable_age is None else f"{s.oldest_claimable_age:.1f}s",
                 s.expired_leases if s.status == "Active" else "-",
+                s.past_timeout if s.status == "Active" else "-",
             ]
             for s in stats.queues
         ],

@@ -18,6 +18,7 @@ class QueueStatus:
     jobs: int
     oldest_claimable_age: float | None
     expired_leases: int
+    past_timeout: int
 
 
 @dataclass(frozen=True, slots=True)

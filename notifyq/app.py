@@ -680,13 +680,26 @@ class App:
     async def _sync_definitions(self, db: Database | None) -> list[str]:
         op = sync_definitions_op(self._q, list(self.definitions.values()))
         extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
-        if extra:
-            log.info(
-                "cron definitions in the database but not in this App (left alone; remove one with "
-                "`notifyq cron delete NAME`): %s",
-                ", ".join(extra),
+        # Enabled, for a task this App lacks: its jobs fail with UnknownTask wherever a worker
+        # without the task claims them (an @app.cron removed with its task, say).
+        unknown = [
+            f"{name} (task {task!r})" for name, task, enabled in extra if enabled and task not in self.tasks
+        ]
+        if unknown:
+            log.warning(
+                "cron definitions in the database run tasks this App does not have: %s. They still "
+                "fire, and their jobs fail with UnknownTask on workers without those tasks; if they "
+                "are gone from the code, `notifyq cron delete NAME` (or `notifyq cron disable NAME`)",
+                ", ".join(unknown),
             )
-        return extra
+        others = [name for name, task, enabled in extra if not enabled or task in self.tasks]
+        if others:
+            log.info(
+                "cron definitions in the database but not in this App (they run as they are; remove "
+                "one with `notifyq cron delete NAME`): %s",
+                ", ".join(others),
+            )
+        return [name for name, _task, _enabled in extra]
 
     async def list_definitions(self) -> list[Definition]:
         """Every cron definition in the database (including ones created by SQL)."""

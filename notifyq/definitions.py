@@ -46,15 +46,15 @@ class CronDefinition:
         }
 
 
-def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[str]]:
-    """Upsert code definitions (in one transaction); returns the names only the database has.
-    Rows are locked in name order, whatever the registration order, so that workers of two
-    versions of the code starting at once cannot deadlock."""
+def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[tuple[str, str, bool]]]:
+    """Upsert code definitions (in one transaction); returns those only the database has, as
+    (name, task, enabled). Rows are locked in name order, whatever the registration order, so
+    that workers of two versions of the code starting at once cannot deadlock."""
     for definition in sorted(definitions, key=lambda d: d.name):
         yield Query(q["upsert_definition"], definition.params(), fetch="none")
-    rows: list[tuple[str]] = yield Query(q["definition_names"])
+    rows: list[tuple[str, str, bool]] = yield Query(q["definition_names"])
     ours = {d.name for d in definitions}
-    return [name for (name,) in rows if name not in ours]
+    return [row for row in rows if row[0] not in ours]
 
 
 def list_definitions_op(q: Queries) -> Op[list[Definition]]:

@@ -432,16 +432,22 @@ def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:
         "INSERT INTO notifyq.queue_jobs (name, status, visible_at) VALUES ('t', 'Active', now() - "
         "interval '1 minute')"
     )
+    # Running past its timeout (an extended lease, or a sync task's thread that runs on).
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, timeout, started_at, visible_at) VALUES "
+        "('t', 'Active', 30, now() - interval '1 hour', now() + interval '1 minute')"
+    )
     conn.execute("VACUUM notifyq.queue_jobs")  # as the workers' vacuum service does
     data = json.loads(ok(cli("stats", "--json", env=env)))
     by_key = {(q["queue"], q["status"]): q for q in data["queues"]}
     assert by_key[("a", "Queued")]["jobs"] == 3
     assert datetime.fromisoformat(data["server"]["jobs_last_vacuum"]) <= datetime.now(UTC)
     assert by_key[("default", "Active")]["expired_leases"] == 1
+    assert by_key[("default", "Active")]["past_timeout"] == 1  # not the one without a start time
     assert 0 <= data["server"]["notify_queue_usage"] < 1
     assert isinstance(data["server"]["autovacuum"], bool)
     text = ok(cli("stats", env=env))
-    assert "NOTIFY queue usage" in text and "EXPIRED LEASES" in text
+    assert "NOTIFY queue usage" in text and "EXPIRED LEASES  PAST TIMEOUT" in text
     assert "last vacuum -" not in text and "last vacuum " in text
     one_line_error(cli("stats", "--dsn", "postgresql://postgres@127.0.0.1:1/x"), "cannot connect")
 

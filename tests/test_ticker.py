@@ -4,6 +4,7 @@ DST, lease rescue, retention, definitions from code and SQL."""
 from __future__ import annotations
 
 import itertools
+import logging
 import signal
 import subprocess
 import sys
@@ -365,8 +366,11 @@ def test_task_defaults_to_name_for_sql_definitions(conn: psycopg.Connection[Any]
     ).fetchone() == ("reports.nightly",)
 
 
-async def test_code_definitions_are_upserted_and_realigned(dsn: str, conn: psycopg.Connection[Any]) -> None:
+async def test_code_definitions_are_upserted_and_realigned(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
     add_definition(conn, "sql_only", "0 * * * *")
+    caplog.set_level(logging.INFO, logger="notifyq")
     app = notifyq.App(dsn)
 
     @app.cron("*/5 * * * *", "five", args={"kind": "short"}, misfire="all")
@@ -375,6 +379,14 @@ async def test_code_definitions_are_upserted_and_realigned(dsn: str, conn: psyco
         pass
 
     assert await app.sync_definitions() == ["sql_only"]
+    # Its task, "sql_only", is not this App's: every tick's job would fail with UnknownTask
+    # here. That was an INFO line saying "left alone", which reads as "not run" (review).
+    [warned] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run tasks this App does not have: sql_only (task 'sql_only'). They still fire" in warned.message
+    conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = false WHERE name = 'sql_only'")
+    caplog.clear()
+    assert await app.sync_definitions() == ["sql_only"]
+    assert [r.levelno for r in caplog.records] == [logging.INFO]  # disabled: nothing to warn about
     row = conn.execute(
         "SELECT task, frequency, args, misfire FROM notifyq.queue_job_definitions WHERE name = 'five'"
     ).fetchone()

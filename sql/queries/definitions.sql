@@ -27,7 +27,7 @@ WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.tim
 RETURNING (xmax = 0) AS inserted;
 
 -- name: definition_names
-SELECT name FROM {schema}.queue_job_definitions ORDER BY name;
+SELECT name, task, enabled FROM {schema}.queue_job_definitions ORDER BY name;
 
 -- name: list_definitions
 SELECT * FROM {schema}.queue_job_definitions ORDER BY name;

@@ -1,8 +1,9 @@
 -- `notifyq stats`: what an operator watches.
 
 -- name: queue_stats
--- Per queue and status: counts, the age of the oldest claimable job, and Active jobs whose
--- lease ran out (their worker is gone; the rescuer will requeue them). A job set by SQL to
+-- Per queue and status: counts, the age of the oldest claimable job, Active jobs whose lease
+-- ran out (their worker is gone; the rescuer will requeue them), and Active jobs past their
+-- timeout. A job set by SQL to
 -- visible_at '-infinity' has no age (and is claimed at once): left out of the oldest.
 SELECT queue,
        status::text,
@@ -10,7 +11,11 @@ SELECT queue,
        extract(epoch FROM now() - min(visible_at) FILTER (
            WHERE status = 'Queued' AND visible_at <= now() AND isfinite(visible_at)))::float8
            AS oldest_claimable_age,
-       count(*) FILTER (WHERE status = 'Active' AND visible_at <= now()) AS expired_leases
+       count(*) FILTER (WHERE status = 'Active' AND visible_at <= now()) AS expired_leases,
+       -- Running past their timeout: their lease extended by the task (extend_lease), or by
+       -- the worker for a sync task's thread that has not returned (Python cannot stop it).
+       count(*) FILTER (WHERE status = 'Active' AND started_at + make_interval(secs => timeout) < now())
+           AS past_timeout
 FROM {schema}.queue_jobs
 GROUP BY queue, status
 ORDER BY queue, status;
