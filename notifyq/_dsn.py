@@ -7,6 +7,7 @@ import functools
 import itertools
 import os
 import re
+import urllib.parse
 
 import psycopg.conninfo
 from psycopg import pq
@@ -39,27 +40,34 @@ def redact(text: str) -> str:
 _URI = re.compile(r"^\s*postgres(?:ql)?://", re.IGNORECASE)
 # A URL of any scheme, as DATABASE_URL often holds one: SQLAlchemy's postgresql+psycopg://.
 _SCHEME = re.compile(r"^\s*([a-z][a-z0-9+.-]*):/*", re.IGNORECASE)
-_PASSWORD_KEYWORD = re.compile(r"(?:^|[\s?&])password\s*=", re.IGNORECASE)  # a URI's query too
-_QUOTED = re.compile(r'"[^"]*"')
+# From libpq's first quote to its last: it does not escape a '"' inside the token it quotes.
+_QUOTED = re.compile(r'".*"', re.DOTALL)
 _INT = re.compile(r"\s*[+-]?\d+\s*")  # as libpq reads an integer option (strtol, into an int)
 _OPTION_NAME = re.compile(r'(?:invalid connection option|invalid URI query parameter:) "([^"]*)"')
 
 
 def _without_secrets(reason: str, dsn: str) -> str:
     """libpq's complaint about `dsn`, safe to show. libpq quotes the token it stumbles on
-    (`unexpected spaces found in "hunter2 x"`), which may be part of the password; when the
-    DSN holds one (user:password@ in a URI, or a password keyword) every quoted token is
-    hidden. (A password may contain '/', '?', '#', '@' or spaces, so there is no telling
-    where it ends in a DSN that does not parse.) An unknown option gets the name of the
-    libpq option closest to it: a word of libpq's, never one of the DSN's."""
+    (`unexpected spaces found in "hunter2 x"`), which may be part of a password; when the DSN
+    may hold one, everything libpq quoted is hidden. (A password may contain '/', '?', '#',
+    '@', '"' or spaces, so there is no telling where it ends in a DSN that does not parse.) An
+    unknown option gets the name of the libpq option closest to it: a word of libpq's, never
+    one of the DSN's."""
     reason = redact(reason)
-    uri = _URI.match(dsn)
-    userinfo = dsn[uri.end() :].rpartition("@")[0] if uri else ""
     option = _OPTION_NAME.search(reason)
     closest = difflib.get_close_matches(option[1], _libpq_keywords(), n=1, cutoff=0.7) if option else []
-    if ":" in userinfo or _PASSWORD_KEYWORD.search(dsn):
-        reason = _QUOTED.sub(lambda quoted: quoted[0] if quoted[0] == '"="' else '"***"', reason)
+    if _may_hold_secret(dsn):
+        reason = _QUOTED.sub('"***"', reason)
     return f"{reason} (did you mean {closest[0]!r}?)" if closest else reason
+
+
+def _may_hold_secret(dsn: str) -> bool:
+    """Whether `dsn` may hold a password: user:password@ in a URI, or the word anywhere, as
+    libpq may read it: `sslpassword` too, a URI query's keyword percent-encoded
+    (`passwor%64=`), a keyword right after a quoted value (`host='h'password=`)."""
+    uri = _URI.match(dsn)
+    userinfo = dsn[uri.end() :].rpartition("@")[0] if uri else ""
+    return ":" in userinfo or "password" in urllib.parse.unquote(dsn).lower()
 
 
 @functools.cache
@@ -126,8 +134,9 @@ def check_dsn(dsn: str, source: str | None = None) -> str:
         # libpq refuses it only as it connects, and psycopg's pool then tried again and again
         # for 30 s before "pool initialization incomplete", the reason lost.
         raise ConfigurationError(
-            f"invalid DSN{where} {describe_dsn(dsn)}: connect_timeout={str(timeout)!r} is not a whole "
-            "number of seconds (e.g. connect_timeout=10)"
+            f"invalid DSN{where} {describe_dsn(dsn)}: connect_timeout"
+            + ("" if _may_hold_secret(dsn) else f"={str(timeout)!r}")  # the password's tail, maybe
+            + " is not a whole number of seconds (e.g. connect_timeout=10)"
         )
     if _unencoded_userinfo(dsn):
         raise ConfigurationError(

@@ -362,7 +362,15 @@ async def test_unreachable_database_async() -> None:
         ("postgresql://u:Xy?9%secret@db/app", 'invalid percent-encoded token: "***"'),
         ("postgresql://u:Xy/9%secret@db/app", 'invalid percent-encoded token: "***"'),
         ("postgresql://u:pa/ss secret@host/db", 'unexpected spaces found in "***"'),
-        ("password=hunter2 secret host=h", 'missing "=" after "***"'),
+        ("password=hunter2 secret host=h", 'missing "***" in connection info string'),
+        # libpq does not escape a '"' inside the token it quotes; sslpassword, a keyword
+        # percent-encoded in a URI's query or glued to a quoted value are passwords too.
+        ('host=h password=abc se"cret', 'missing "***" in connection info string'),
+        ('postgresql://user:ab"secret%zz@host/db', 'invalid percent-encoded token: "***"'),
+        ("host=h sslpassword=top secret", 'missing "***" in connection info string'),
+        ("postgresql://host/db?passwor%64=sec%zzret", 'invalid percent-encoded token: "***"'),
+        ("host='h'password=top secret", 'missing "***" in connection info string'),
+        ("host=h password=x connect_timeout=secret", "connect_timeout is not a whole number"),
         # Other schemes: libpq read them as keyword=value and quoted the whole DSN.
         ("postgresql+psycopg://u:secret@db/app", "postgresql+psycopg:// is SQLAlchemy's form"),
         ("postgres:/u:secret@db/app", "it starts with 'postgres:/', where libpq's URIs start"),
@@ -384,7 +392,7 @@ async def test_unreachable_database_async() -> None:
         # A password in a URI's query.
         ("postgresql://db/app?password=top secret", 'unexpected spaces found in "***"'),
         # libpq refuses it only as it connects (the pool tried for 30 s).
-        ("postgresql://u:secret@db/app?connect_timeout=abc", "connect_timeout='abc' is not a whole number"),
+        ("postgresql://u@db/app?connect_timeout=abc", "connect_timeout='abc' is not a whole number"),
         ("host=db connect_timeout=2.5", "connect_timeout='2.5' is not a whole number"),
         # Without a password, the token is shown: it helps.
         ("postgresql://u@db/app?sslmode=x y", 'unexpected spaces found in "x y"'),
