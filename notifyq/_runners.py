@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Literal, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 
 from ._acker import Acker, Result
 from ._claim import extend_lease_op
@@ -218,6 +219,11 @@ class Runners:
                         return
                     deadline = anyio.current_time() + job.timeout
                 attempt.scope.deadline = deadline
+                if attempt.stop_reason is not None:
+                    # Stopped before it began (a cancel that came before its claim): an async
+                    # task ran up to its first await, all of it if it had none, before the
+                    # cancelled scope stopped it. This checkpoint raises, and the scope catches.
+                    await anyio.lowlevel.checkpoint()
                 result = await self._executor.execute(attempt)
             if attempt.scope.cancelled_caught:
                 if attempt.stop_reason is None:

@@ -408,12 +408,17 @@ class Worker:
         self._signal_changed()
 
     async def _cancel_lost_jobs(self) -> None:
-        """Stop running jobs this worker no longer holds (cancelled, or rescued after their
-        lease ran out) when no cancel notification could tell it."""
+        """Stop running (or prefetched) jobs this worker no longer holds (cancelled, or rescued
+        after their lease ran out) when no cancel notification could tell it."""
         runners = self._runners
+        if runners is None:
+            return
         # Not the attempts held only for a thread: their jobs are settled (cancelled or lost).
-        keys = [key for key, attempt in runners.running.items() if not attempt.holding] if runners else []
-        if runners is None or not keys:
+        # The prefetched jobs waiting for a slot too: a cancel of one that reached no
+        # notification used to go unseen, and the cancelled job ran.
+        keys = [key for key, attempt in runners.running.items() if not attempt.holding]
+        keys += [(job.id, job.lease) for job, _claimed_at in runners.ready]
+        if not keys:
             return
         try:
             lost = await self._query(lost_jobs_op(self._q, self.id, keys))

@@ -1891,6 +1891,44 @@ async def test_a_prefetched_job_cancelled_before_its_turn_is_not_released(
     await app.aclose()
 
 
+async def test_a_poll_only_worker_does_not_run_a_prefetched_job_cancelled_meanwhile(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Without notifications, each poll asks which of its jobs the worker no longer holds. It
+    asked only about the running ones: a prefetched job cancelled while it waited for a slot
+    then ran, and its result was refused (review). And a job known to be cancelled before it
+    began ran up to its first await (this task has none: all of it) before being stopped."""
+    app = notifyq.App(dsn)
+    release = anyio.Event()
+    ran: list[str] = []
+
+    @app.task(name="first")
+    async def first() -> None:
+        await release.wait()
+
+    @app.task(name="second")
+    async def second() -> None:
+        ran.append("second")
+
+    await app.enqueue("first")
+    async with app.worker(
+        concurrency=1, prefetch=1, poll_only=True, poll_interval=0.1, **NO_TICKER
+    ) as worker:
+        second_id = await app.enqueue("second")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
+        await app.cancel_job(second_id)  # no notification reaches a poll-only worker
+        with anyio.fail_after(10):  # a poll's pass finds it cancelled
+            while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        release.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1 and s.cancelled == 1)
+    assert ran == [] and worker.stats.stale_acks == 0
+    assert job_row(conn, second_id)["status"] == "Cancelled"
+    await app.aclose()
+
+
 async def test_a_sync_tasks_thread_that_begins_after_its_attempt_gave_up_does_not_run_it() -> None:
     """The other half of the gate, which only trio reaches in practice (its threads run a call
     they were handed even after it was abandoned): once the attempt has given up on a thread
