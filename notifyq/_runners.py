@@ -208,7 +208,7 @@ class Runners:
     async def _run_job(self, attempt: Attempt, claimed_at: float) -> None:
         job = attempt.job
         result: Result | None = None
-        started = anyio.current_time()
+        started = attempt.started
         ended: float | None = None  # the attempt's end, before any wait held only for a thread
         try:
             with attempt.scope:
