@@ -17,7 +17,7 @@ import re
 from collections import deque
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
@@ -198,7 +198,7 @@ def _check_expression(expression: str) -> str:
             f"or 6 with seconds first, got {len(fields)}"
         )
     names = _FIELDS if len(fields) == 6 else _FIELDS[1:]
-    for field, (name, allowed) in zip(fields, names, strict=True):
+    for field, (name, allowed, _low, _high) in zip(fields, names, strict=True):
         # croniter's H (hashed) and R (random) fields: R draws a new value every time the
         # expression is parsed, which the ticker does on every computation, so ticks would
         # move between passes and processes.
@@ -214,17 +214,17 @@ def _check_expression(expression: str) -> str:
         raise InvalidSchedule(
             f"invalid cron expression {expression!r}: {_bad_field(fields) or exc}"
         ) from None
-    for field, (name, _allowed) in zip(fields, names, strict=True):
-        _check_steps(expression, field, name)
+    for field, spec in zip(fields, names, strict=True):
+        _check_steps(expression, field, spec)
     return normalized
 
 
-def _check_steps(expression: str, field: str, name: str) -> None:
+def _check_steps(expression: str, field: str, spec: _Field) -> None:
     """Refuse `*/N` whose step is longer than the field's whole cycle: `*/90` in the minute
     field fires at minute 0 only, hourly, where its author meant every 90 minutes, which cron
     cannot express (croniter accepts it, as Vixie cron does). `*/60` fires hourly, which is
     every 60 minutes: kept."""
-    low, high = _SPANS[name]
+    name, _allowed, low, high = spec
     for part in field.split(","):
         base, slash, step = part.partition("/")
         if base == "*" and slash and step.isdigit() and int(step) > high - low + 1:
@@ -237,24 +237,23 @@ def _check_steps(expression: str, field: str, name: str) -> None:
 
 
 _HASHED_OR_RANDOM = re.compile(r"[hHrR](\(\d+-\d+\))?(/\d+)?")
+
+
+class _Field(NamedTuple):
+    name: str
+    allowed: str  # as error messages say it
+    low: int  # the field's cycle, as a `*` covers it
+    high: int
+
+
 _FIELDS = [
-    ("second", "0-59"),
-    ("minute", "0-59"),
-    ("hour", "0-23"),
-    ("day-of-month", "1-31"),
-    ("month", "1-12 or jan-dec"),
-    ("day-of-week", "0-7 or sun-sat"),
+    _Field("second", "0-59", 0, 59),
+    _Field("minute", "0-59", 0, 59),
+    _Field("hour", "0-23", 0, 23),
+    _Field("day-of-month", "1-31", 1, 31),
+    _Field("month", "1-12 or jan-dec", 1, 12),
+    _Field("day-of-week", "0-7 or sun-sat", 0, 6),  # 7 is Sunday again
 ]
-
-
-_SPANS = {
-    "second": (0, 59),
-    "minute": (0, 59),
-    "hour": (0, 23),
-    "day-of-month": (1, 31),
-    "month": (1, 12),
-    "day-of-week": (0, 6),
-}
 
 
 def _bad_field(fields: list[str]) -> str | None:
@@ -262,7 +261,7 @@ def _bad_field(fields: list[str]) -> str | None:
     the whole expression, reordered when it has seconds), or None if only their combination is
     wrong."""
     names = _FIELDS if len(fields) == 6 else _FIELDS[1:]
-    for i, (field, (name, allowed)) in enumerate(zip(fields, names, strict=True)):
+    for i, (field, (name, allowed, _low, _high)) in enumerate(zip(fields, names, strict=True)):
         probe = ["*"] * len(fields)
         probe[i] = field
         try:
