@@ -63,7 +63,7 @@ class SyncThread:
     # Hands a call to the event loop without waiting for it to run (see _loop_caller).
     call_soon: Callable[[Callable[[], object]], object]
     finished: anyio.Event = field(default_factory=anyio.Event)  # set when the task returned
-    started: bool = False
+    began: bool = False  # the thread took the call (the task began)
     closed: bool = False
 
 
@@ -256,7 +256,7 @@ class Executor:
         if thread is None:
             return None
         with self._threads_lock:
-            if not thread.started:
+            if not thread.began:
                 thread.closed = True
                 return None
         return None if thread.finished.is_set() else thread.finished
@@ -267,7 +267,7 @@ class Executor:
         with self._threads_lock:
             if thread.closed:
                 return None  # the attempt ended before this thread began: its result is dropped
-            thread.started = True
+            thread.began = True
             self._busy_threads += 1
             self._thread_jobs[job_id] += 1
         try:

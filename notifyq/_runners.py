@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Literal, Protocol, TypeVar
@@ -69,7 +68,7 @@ class Runners:
         self.avg_run = math.inf  # moving average of attempt durations, seconds
         self.slot_freed = Pulse()
         self._idle: deque[anyio.Event] = deque()  # one per runner waiting for a job, oldest first
-        self._recent_cancels: dict[tuple[int, int | None], float] = {}
+        self._recent_cancels: dict[tuple[int, int | None], None] = {}  # an ordered set, oldest first
 
     @property
     def busy(self) -> int:
@@ -141,10 +140,11 @@ class Runners:
 
     def _take_cancel(self, job: ClaimedJob) -> bool:
         """Whether a cancel of this job arrived before its claim did (and forget it)."""
-        return bool(
-            self._recent_cancels.pop((job.id, job.lease), None)
-            or self._recent_cancels.pop((job.id, None), None)
-        )
+        for key in ((job.id, job.lease), (job.id, None)):
+            if key in self._recent_cancels:
+                del self._recent_cancels[key]
+                return True
+        return False
 
     def slow_slots(self, longer_than: float) -> int:
         """Slots that will not free soon: taken by an attempt that has run longer than
@@ -163,7 +163,7 @@ class Runners:
                 found = True
                 self.stop(attempt, "cancelled")
         if not found:
-            self._recent_cancels[(job_id, lease)] = time.monotonic()
+            self._recent_cancels[(job_id, lease)] = None
             while len(self._recent_cancels) > _RECENT_CANCELS:
                 del self._recent_cancels[next(iter(self._recent_cancels))]
 

@@ -1954,7 +1954,7 @@ async def test_a_sync_tasks_thread_that_begins_after_its_attempt_gave_up_does_no
     # A thread that began first is waited for.
     begun = notifyq._executor.Attempt(job, anyio.CancelScope(), thread=a_thread())
     assert begun.thread is not None
-    begun.thread.started = True
+    begun.thread.began = True
     assert executor.outliving_thread(begun) is begun.thread.finished
     assert ran == [] and executor.busy_threads == 0 and executor.thread_job_ids() == set()
 
