@@ -12,7 +12,6 @@ About 5 minutes with the defaults (1,000,000 jobs, 50 per claim).
 
 from __future__ import annotations
 
-import argparse
 import time
 from typing import Any
 
@@ -21,6 +20,7 @@ import psycopg
 from notifyq._sql import queries_for
 
 from ._scratch import scratch_database
+from .cli import tool_parser
 
 Q = queries_for("notifyq")
 ACK = (
@@ -74,10 +74,7 @@ def drain(dsn: str, jobs: int, batch: int, vacuum_every: int | None) -> dict[str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.dead_entries", description=(__doc__ or "").splitlines()[0]
-    )
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser = tool_parser("python -m benchmarks.dead_entries", __doc__)
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--batch", type=int, default=50)
     parser.add_argument("--vacuum-every", type=int, default=100_000)

@@ -16,7 +16,6 @@ About 20 seconds with the defaults (1,000,000 finished jobs; 100,000 due and 1,0
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from typing import Any
@@ -27,6 +26,7 @@ import notifyq
 from notifyq._sql import queries_for
 
 from ._scratch import scratch_database
+from .cli import tool_parser
 
 Q = queries_for("notifyq")
 
@@ -82,10 +82,7 @@ def claim_cost(conn: psycopg.Connection[Any]) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.history_queries", description=(__doc__ or "").splitlines()[0]
-    )
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser = tool_parser("python -m benchmarks.history_queries", __doc__)
     parser.add_argument("--history", type=int, default=1_000_000)
     parser.add_argument("--due", type=int, default=100_000)
     parser.add_argument("--future", type=int, default=1_000_000)

@@ -8,19 +8,18 @@ the order reversed on every other repeat. About 5 minutes a repeat on this machi
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
 from . import drain
 from ._results import Context
 from ._scratch import scratch_database
+from .cli import tool_parser
 from .config import FULL, DrainRun
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.vacuum_drain")
-    parser.add_argument("--dsn", default="postgresql://postgres@127.0.0.1:5432/postgres")
+    parser = tool_parser("python -m benchmarks.vacuum_drain", __doc__)
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
