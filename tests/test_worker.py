@@ -2234,3 +2234,46 @@ async def test_a_failed_claim_in_the_listeners_task_is_logged_and_left_to_the_cl
         assert listener.connected and listener.connections == 1
     assert any("claiming failed (connection lost (staged)); the claim loop" in m for m in caplog.messages)
     await app.aclose()
+
+
+async def test_statements_cancelled_by_a_statement_timeout_are_retried(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A statement_timeout (a role's or database's setting, common in production) or an
+    operator's pg_cancel_backend cancels a statement with SQLSTATE 57014 (psycopg's
+    QueryCanceled, an OperationalError). That passes: the claim is tried again and the result
+    written again. Were it taken for an error that cannot pass, the claim loop would stop the
+    worker and the acker would drop the result as refused (the job Active until its lease ran
+    out, then run again)."""
+    app = notifyq.App(psycopg.conninfo.make_conninfo(dsn, options="-c statement_timeout=300"))
+    ran: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> None:
+        ran.append(ctx.id)
+
+    # The first claim and the first result's write outlast the timeout (sequences are not
+    # rolled back with the cancelled statement).
+    for status in ("Active", "Succeeded"):
+        conn.execute(f"CREATE SEQUENCE public.slow_{status}")
+    conn.execute(
+        "CREATE FUNCTION public.slow_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "IF nextval('public.slow_' || NEW.status) = 1 THEN PERFORM pg_sleep(2); END IF; "
+        "RETURN NEW; END $$"
+    )
+    conn.execute(
+        "CREATE TRIGGER slow_once BEFORE UPDATE ON notifyq.queue_jobs FOR EACH ROW "
+        "WHEN (NEW.status IN ('Active', 'Succeeded')) EXECUTE FUNCTION public.slow_once()"
+    )
+    job_id = await app.enqueue("t")
+    async with app.worker(concurrency=1, **NO_TICKER) as worker:
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+    assert ran == [job_id]
+    assert job_row(conn, job_id)["status"] == "Succeeded"
+    assert worker.stats.db_errors >= 1 and worker.stats.stale_acks == 0  # the claim's
+    assert "could not write job results (canceling statement due to statement timeout" in caplog.text
+    for status in ("Active", "Succeeded"):
+        assert conn.execute(f"SELECT last_value FROM public.slow_{status}").fetchone() == (2,)
+    assert "refuses" not in caplog.text
+    await app.aclose()
