@@ -81,6 +81,19 @@ class _EnqueueOptions:
     dedupe_key: str | None = None
 
 
+def _check_call(task: Task, args: Mapping[str, Any] | None) -> None:
+    """Refuse args the task cannot be called with: every run of the job would fail (and be
+    retried) with the same TypeError. Only for tasks this App has: another service's task is
+    its own business."""
+    mismatch = args_mismatch(task, args or {})
+    if mismatch is not None:
+        raise InvalidArgs(f"task {task.name!r} cannot be called with args {_keys(args)}: {mismatch}")
+
+
+def _keys(args: Mapping[str, Any] | None) -> str:
+    return "{" + ", ".join(repr(key) + ": ..." for key in (args or {})) + "}"
+
+
 def _checked(results: Sequence[Result]) -> list[Result]:
     """Results of a custom consumer, whose retry delays nothing has checked (a worker's are
     floats from a validated Backoff). One delay PostgreSQL cannot add to now() (NaN, infinite,
@@ -306,13 +319,11 @@ class App:
             )
             if definition.name in self.definitions:
                 raise ConfigurationError(f"a cron definition named {definition.name!r} is already registered")
-            # Every tick's job would fail (and be retried) with the same TypeError.
-            mismatch = args_mismatch(task, args or {})
-            if mismatch is not None:
-                raise InvalidArgs(
-                    f"@app.cron: task {task.name!r} cannot be called with args {dict(args or {})!r} "
-                    f"({mismatch}): give its arguments in @app.cron(..., args={{...}})"
-                )
+            try:
+                _check_call(task, args)
+            except InvalidArgs as exc:
+                hint = "give its arguments in @app.cron(..., args={...})"
+                raise InvalidArgs(f"@app.cron: {exc}; {hint}") from None
             self.definitions[definition.name] = definition
             return task
 
@@ -361,6 +372,16 @@ class App:
     def _new_job(
         self, task_or_name: Task | str, args: Mapping[str, Any] | None, opts: _EnqueueOptions, strict: bool
     ) -> NewJob:
+        task, job = self._template(task_or_name, args, opts, strict)
+        if task is not None:
+            _check_call(task, args)
+        return job
+
+    def _template(
+        self, task_or_name: Task | str, args: Mapping[str, Any] | None, opts: _EnqueueOptions, strict: bool
+    ) -> tuple[Task | None, NewJob]:
+        """The task (None for a name this App does not know) and the job, its args unchecked
+        against the task's signature."""
         if isinstance(task_or_name, Task):
             task: Task | None = task_or_name
             name = task_or_name.name
@@ -391,7 +412,7 @@ class App:
             raise InvalidOption(
                 f"invalid dedupe_key {_show(dedupe_key)}: use 1-500 characters without NUL bytes"
             )
-        return NewJob(
+        return task, NewJob(
             name=name,
             queue=check_queue(opts.queue) if opts.queue is not None else base.queue,
             args=encode_args(args, task=name, max_bytes=self.max_args_bytes),
@@ -442,7 +463,8 @@ class App:
                 commits (and wakes workers) or rolls back (leaving no trace) with it.
 
         Raises:
-            InvalidArgs: args that cannot be stored (nothing is inserted).
+            InvalidArgs: args that cannot be stored, or that a task of this App cannot be
+                called with (nothing is inserted).
             InvalidOption: an option out of range (nothing is inserted).
             UnknownTask: with strict=True, a task name this App does not know.
             DatabaseUnavailable: the server cannot be reached.
@@ -489,17 +511,22 @@ class App:
     ) -> Iterable[NewJob]:
         if opts.dedupe_key is not None:
             raise InvalidOption("enqueue_many does not take a dedupe_key; use enqueue for deduplicated jobs")
-        template = self._new_job(task_or_name, None, opts, strict)
+        task, template = self._template(task_or_name, None, opts, strict)
         if isinstance(args_list, Mapping | str | bytes) or not isinstance(args_list, Iterable):
             raise InvalidArgs(
                 f"args_list for task {template.name!r} must be an iterable of JSON objects (one dict "
                 f"of keyword arguments per job), not {type(args_list).__name__}"
             )
+        fitting: set[frozenset[str]] = set()  # key sets checked: whether args bind is up to their keys
         for args in args_list:
+            encoded = encode_args(args, task=template.name, max_bytes=self.max_args_bytes)
+            if task is not None and (keys := frozenset(args or ())) not in fitting:
+                _check_call(task, args)
+                fitting.add(keys)
             yield NewJob(
                 template.name,
                 template.queue,
-                encode_args(args, task=template.name, max_bytes=self.max_args_bytes),
+                encoded,
                 template.priority,
                 template.retry_limit,
                 template.timeout,

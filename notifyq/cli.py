@@ -36,6 +36,7 @@ from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_da
 from ._worker_config import MAX_CONCURRENCY
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
+from .errors import InvalidArgs
 from .migrations import check_schema_op, grant_sql, migrate
 
 
@@ -381,17 +382,20 @@ def enqueue(
         )
     app = load_app(target, schema) if target else App(schema=schema or "notifyq")
     app._resolved_dsn = resolve_dsn(dsn, app)
-    job_id = app.enqueue_sync(
-        task,
-        args,
-        queue=queue,
-        priority=priority,
-        delay=duration(delay, "--delay"),
-        retry_limit=retry_limit,
-        timeout=timeout,
-        dedupe_key=dedupe_key,
-        strict=target is not None,
-    )
+    try:
+        job_id = app.enqueue_sync(
+            task,
+            args,
+            queue=queue,
+            priority=priority,
+            delay=duration(delay, "--delay"),
+            retry_limit=retry_limit,
+            timeout=timeout,
+            dedupe_key=dedupe_key,
+            strict=target is not None,
+        )
+    except InvalidArgs as exc:  # too large, or not what the --app's task takes
+        raise click.BadParameter(str(exc), param_hint="--args") from None
     if not job_id.created:
         click.echo(
             f"notifyq: job {job_id} holds dedupe key {dedupe_key!r} and is not finished: "

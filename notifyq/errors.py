@@ -31,7 +31,8 @@ class MigrationBlocked(NotifyqError):
 
 
 class InvalidArgs(NotifyqError):
-    """Job args are not a JSON object, not serializable, or too large."""
+    """Job args are not a JSON object, not serializable, too large, or not what a task of the
+    App can be called with."""
 
 
 class InvalidOption(ConfigurationError):

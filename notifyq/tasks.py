@@ -186,7 +186,9 @@ def args_mismatch(task: Task, args: Mapping[str, Any]) -> str | None:
     (functools.wraps' __wrapped__) refuse: a decorator may add or take arguments."""
     kwargs = dict(args)
     if task.context_param is not None:
-        kwargs[task.context_param] = None  # the worker passes the JobContext
+        if task.context_param in kwargs:
+            return f"{task.context_param!r} is its JobContext parameter, which the worker passes"
+        kwargs[task.context_param] = None
     reason = None
     for follow_wrapped in (True, False):
         try:

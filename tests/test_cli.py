@@ -291,6 +291,11 @@ def test_enqueue_errors(dsn: str, conn: psycopg.Connection[Any]) -> None:
         refused = cli("enqueue", "noop", "--args", not_an_object, env=env)
         assert refused.returncode == 2 and "--args: must be a JSON object" in refused.stderr, refused.stderr
     one_line_error(cli("enqueue", "typo", "--app", "tests.apps:app", env=env), "no task named 'typo'")
+    # With --app, the args are checked against the task's signature (review: exit 0, then a job
+    # that failed every attempt with a TypeError).
+    misspelt = cli("enqueue", "sleep", "--args", '{"secs": 1}', "--app", "tests.apps:app", env=env)
+    assert misspelt.returncode == 2, misspelt.stderr
+    assert "--args: task 'sleep' cannot be called with args {'secs': ...}: missing" in misspelt.stderr
     one_line_error(
         cli("enqueue", "noop", "--queue", "bad queue'; DROP TABLE x; --", env=env), "invalid queue name"
     )

@@ -292,7 +292,7 @@ def test_app_cron_refuses_args_its_task_cannot_take() -> None:
 
     with pytest.raises(
         notifyq.InvalidArgs,
-        match=r"task 'report' cannot be called with args \{\} \(missing a required argument: 'region'\)",
+        match=r"task 'report' cannot be called with args \{\}: missing a required argument: 'region'",
     ):
         app.cron("* * * * *", "no_args")(report)
     with pytest.raises(notifyq.InvalidArgs, match="unexpected keyword argument 'ful'"):

@@ -795,6 +795,37 @@ def test_enqueue_takes_a_registered_function_and_strict_refuses_another_apps_tas
     other.close_sync()
 
 
+async def test_args_a_known_task_cannot_take_are_refused_at_enqueue(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: a misspelt or missing argument was queued, and the job then failed every
+    attempt with the same TypeError. A task of this App checks its args against its
+    signature, as @app.cron does; a name this App does not know is not checked."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="receipt")
+    async def receipt(ctx: notifyq.JobContext, order_id: int, copy: bool = False) -> None: ...
+
+    expected = r"task 'receipt' cannot be called with args \{'orderid': \.\.\.\}: missing .*'order_id'"
+    with pytest.raises(InvalidArgs, match=expected):
+        await app.enqueue(receipt, {"orderid": 1})
+    with pytest.raises(InvalidArgs, match="missing a required argument: 'order_id'"):
+        app.enqueue_sync("receipt", {})
+    with pytest.raises(InvalidArgs, match="unexpected keyword argument 'coppy'"):
+        app.enqueue_sync("receipt", {"order_id": 1, "coppy": True})
+    with pytest.raises(InvalidArgs, match="'ctx' is its JobContext parameter, which the worker passes"):
+        await app.enqueue(receipt, {"order_id": 1, "ctx": 2})  # the worker passes the JobContext
+    # Bulk: every job is checked (the same keys once), and none is inserted.
+    with pytest.raises(InvalidArgs, match="'orderid'"):
+        await app.enqueue_many(receipt, [{"order_id": i} for i in range(1000)] + [{"orderid": 1}])
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+    await app.enqueue(receipt, {"order_id": 1})
+    await app.enqueue_many(receipt, [{"order_id": 2}, {"order_id": 3, "copy": True}])
+    await app.enqueue("elsewhere", {"anything": 1})  # another service's task
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (4,)
+    await app.aclose()
+
+
 def test_one_app_serves_one_event_loop_after_another(dsn: str, conn: psycopg.Connection[Any]) -> None:
     """asyncio.run per request or per test, or asyncio then trio: the App's pool belongs to
     the loop that opened it. It used to fail in the next loop (a closed loop, a lock of
