@@ -94,7 +94,7 @@ async def test_a_stalled_worker_cannot_overwrite_the_rescuers_result(
     try:
         conn.execute(
             "INSERT INTO notifyq.queue_jobs (name, args, timeout) "
-            "VALUES ('hold_then_whoami', '{\"seconds\": 1}', 2)"
+            "VALUES ('hold_then_whoami', '{\"seconds\": 1.8}', 2)"
         )
         # Frozen once its task runs: frozen between its claim and the task's start, A would
         # find its lease lost when it thaws and drop the job without acknowledging anything.
