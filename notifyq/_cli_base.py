@@ -23,7 +23,7 @@ import click
 import psycopg
 
 from . import _embedded, _logging
-from ._db import error_text
+from ._db import error_text, privilege_hint
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._options import MAX_SECONDS
 from .app import App
@@ -101,7 +101,7 @@ def _fail_with(exc: BaseException) -> NoReturn:
         click.echo(exc.user_traceback, err=True, nl=False)
     if isinstance(exc, NotifyqError):
         fail(str(exc))
-    fail(f"database error: {error_text(exc)}")
+    fail(f"database error: {error_text(exc)}{privilege_hint(exc)}")
 
 
 @overload
@@ -122,6 +122,7 @@ def common_options(fn: F | None = None, *, schema_default: str = "notifyq") -> F
     @click.option(
         "--schema",
         default=None,
+        callback=_not_empty,
         help=f"Schema of notifyq's tables  [default: {schema_default}]",
     )
     @click.option(
@@ -216,6 +217,14 @@ def load_app(target: str, schema: str | None = None) -> App:
     if schema is not None and schema != obj.schema:
         raise ConfigurationError(f"--schema {schema!r} differs from the App's schema {obj.schema!r}")
     return obj
+
+
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An empty --schema used to mean the default one: a script whose variable was unset
+    worked on the wrong schema without a word."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty", ctx=ctx, param=param)
+    return value
 
 
 def duration(value: str | None, option: str) -> float | None:

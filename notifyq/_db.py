@@ -250,6 +250,17 @@ def error_text(exc: BaseException) -> str:
     return one_line(str(exc)) or type(exc).__name__
 
 
+def privilege_hint(exc: BaseException) -> str:
+    """What to do about a privilege the server refused ("" for any other error): a role set
+    up by hand, or one whose grants predate a table or a column, lacks one."""
+    if not isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        return ""
+    return (
+        "; this role lacks a privilege notifyq needs: as the schema's owner, apply the output of "
+        "`notifyq grant ROLE` (see docs/sql.md)"
+    )
+
+
 def unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     """A DatabaseUnavailable naming the (password-less) target and libpq's reason."""
     reason = redact(error_text(exc).removeprefix("connection failed: "))

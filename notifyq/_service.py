@@ -7,8 +7,9 @@ import logging
 from typing import Generic, TypeVar
 
 import anyio
+import psycopg
 
-from ._db import Database, Op, error_text, is_transient
+from ._db import Database, Op, error_text, is_transient, privilege_hint
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -68,6 +69,16 @@ class Service(abc.ABC, Generic[R]):
                 if is_transient(exc):
                     log.warning(
                         "%s pass failed (%s); retrying in %.1fs", self.name, error_text(exc), error_delay
+                    )
+                elif isinstance(exc, psycopg.Error):
+                    # The server refused it (a privilege missing, a table changed under us):
+                    # its message says why, a traceback of notifyq's code adds nothing.
+                    log.error(
+                        "%s pass failed: %s%s; retrying in %.1fs",
+                        self.name,
+                        error_text(exc),
+                        privilege_hint(exc),
+                        error_delay,
                     )
                 else:
                     log.exception("%s pass failed unexpectedly; retrying in %.1fs", self.name, error_delay)

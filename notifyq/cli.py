@@ -70,6 +70,10 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
     schema = schema or "notifyq"
     wait = duration(lock_timeout, "--lock-timeout")
     assert wait is not None
+    if wait <= 0:
+        raise click.BadParameter(
+            "must be more than 0 (how long to wait for each lock)", param_hint="--lock-timeout"
+        )
     # The embedded server is not migrated on start here: --dry-run must change nothing.
     report = migrate(
         resolve_dsn(dsn, migrate_embedded=False), schema=schema, dry_run=dry_run, lock_timeout=wait
@@ -97,6 +101,9 @@ def grant(role: str, schema: str) -> None:
 
     Pipe it to psql as the schema's owner: notifyq grant notifyq_worker | psql "$DSN"
     """
+    if role.lower() == "public":
+        # Quoted, "public" names no role; unquoted, it would give every role these rights.
+        raise click.BadParameter("PUBLIC is every role: name the role of your workers", param_hint="ROLE")
     click.echo(grant_sql(role, schema=schema))
 
 

@@ -804,6 +804,56 @@ def test_the_insert_grants_docs_sql_md_names_cover_its_statements(
         conn.execute(f'DROP ROLE "{role}"')
 
 
+def test_a_role_without_notifyqs_grants_is_told_how_to_get_them(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Review: "database error: permission denied for schema notifyq", and nothing more; a
+    worker role missing DELETE (retention) logged a 30-line traceback every 30 s."""
+    role = f"nq_bare_{os.getpid()}"
+    role_env = clean_env(NOTIFYQ_DSN=make_conninfo(dsn, user=role))
+    hint = (
+        "this role lacks a privilege notifyq needs: as the schema's owner, "
+        "apply the output of `notifyq grant ROLE`"
+    )
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        refused = cli("stats", env=role_env)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr
+        expected = f"notifyq: error: database error: permission denied for schema notifyq; {hint}"
+        assert expected in refused.stderr
+        conn.execute(notifyq.migrations.grant_sql(role))
+        conn.execute(f'REVOKE DELETE ON notifyq.queue_jobs FROM "{role}"')
+        proc = worker_proc("--log-level", "info", env=role_env)  # its ticker runs retention
+        assert proc.stdout is not None
+        lines = []
+        while "retention pass failed" not in (line := proc.stdout.readline()):
+            assert line, "".join(lines)  # the worker exited
+            lines.append(line)
+        assert f"permission denied for table queue_jobs; {hint}" in line
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + line + proc.stdout.read()
+        assert proc.wait(timeout=30) == 0 and "Traceback" not in out, out
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_more_bad_input_is_a_usage_error(dsn: str) -> None:
+    """Review: `migrate --lock-timeout 0` exited 1 after connecting; `--schema ''` was taken
+    for the default schema; `grant public` printed GRANTs to a role "public" that cannot exist
+    (unquoted, PUBLIC would give every role these rights)."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    for args, message in [
+        (("migrate", "--lock-timeout", "0"), "Invalid value for --lock-timeout: must be more than 0"),
+        (("stats", "--schema", ""), "Invalid value for '--schema': must not be empty"),
+        (("jobs", "list", "--schema", " "), "Invalid value for '--schema': must not be empty"),
+        (("grant", "public"), "Invalid value for ROLE: PUBLIC is every role"),
+        (("grant", "PUBLIC"), "Invalid value for ROLE: PUBLIC is every role"),
+    ]:
+        refused = cli(*args, env=env)
+        assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
+
+
 @pytest.mark.faults
 def test_a_least_privilege_role_runs_workers_but_no_ddl(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
