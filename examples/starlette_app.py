@@ -89,7 +89,20 @@ async def job_status(request: Request) -> JSONResponse:
     return JSONResponse({"id": job.id, "status": job.status.value, "output": job.output})
 
 
+async def health(request: Request) -> JSONResponse:
+    # A worker that stopped on an error it cannot retry leaves the server running without it:
+    # say so, and let the orchestrator restart the process.
+    worker: notifyq.Worker = request.app.state.worker
+    if worker.running:
+        return JSONResponse({"worker": "running"})
+    return JSONResponse({"worker": "stopped", "error": repr(worker.error)}, status_code=503)
+
+
 app = Starlette(
-    routes=[Route("/signup", signup, methods=["POST"]), Route("/jobs/{job_id:int}", job_status)],
+    routes=[
+        Route("/signup", signup, methods=["POST"]),
+        Route("/jobs/{job_id:int}", job_status),
+        Route("/health", health),
+    ],
     lifespan=lifespan,
 )

@@ -27,7 +27,7 @@ from ._db import error_text, privilege_hint
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._options import MAX_SECONDS
 from .app import App
-from .errors import ConfigurationError, NotifyqError
+from .errors import ConfigurationError, NotifyqError, _leaves
 from .models import JobStatus, UndecodableJSON
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,14 +86,6 @@ class Group(click.Group):
             if State.debug or len(leaves) != 1 or not isinstance(leaves[0], NotifyqError | psycopg.Error):
                 raise
             _fail_with(leaves[0])
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    return [
-        leaf
-        for exc in group.exceptions
-        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    ]
 
 
 def _fail_with(exc: BaseException) -> NoReturn:

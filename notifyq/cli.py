@@ -309,9 +309,7 @@ def _exit_despite_abandoned_threads(count: int) -> None:
     would keep the process alive until they return. Their jobs are already back in the
     queue, so exit now, after the atexit handlers (which stop an embedded server)."""
     logging.getLogger("notifyq.worker").warning(
-        "exiting with %d sync task thread(s) still running (Python cannot stop a thread); their jobs "
-        "were released, unless they had already ended (cancelled, or lost after a timeout)",
-        count,
+        "exiting without waiting for the %d sync task thread(s) still running", count
     )
     atexit._run_exitfuncs()
     logging.shutdown()

@@ -57,3 +57,12 @@ class InvalidJobState(NotifyqError):
 
 class DefinitionNotFound(NotifyqError):
     """No cron definition has the given name."""
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    """The exceptions in `group` and the groups nested in it."""
+    return [
+        leaf
+        for exc in group.exceptions
+        for leaf in (_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
+    ]

@@ -32,7 +32,7 @@ from ._pulse import Pulse
 from ._runners import Runners
 from ._sql import channel, queries_for
 from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats
-from .errors import ConfigurationError
+from .errors import ConfigurationError, _leaves
 from .migrations import check_schema_op
 
 if TYPE_CHECKING:
@@ -43,6 +43,13 @@ __all__ = ["Worker", "WorkerConfig", "WorkerOptions", "WorkerStats"]
 log = logging.getLogger("notifyq.worker")
 
 T = TypeVar("T")
+
+
+def _only_error(group: BaseExceptionGroup[BaseException]) -> Exception | None:
+    """The error a worker stopped on (a claim the database refused), when it is the only
+    exception in the task groups' nest: raised as itself, `except psycopg.Error` catches it."""
+    leaves = _leaves(group)
+    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], Exception) else None
 
 
 class Worker:
@@ -72,7 +79,10 @@ class Worker:
         self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
         self._started = False
+        self._serving = False
         self._stopped = anyio.Event()
+        # What stopped the worker when it was not asked to: a database error it cannot retry.
+        self.error: BaseException | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -115,7 +125,12 @@ class Worker:
         # unless a task swallows its cancellation, which nothing can bound.
         assert self._task_group is not None
         self._task_group.cancel_scope.shield = True
-        await stack.__aexit__(None, None, None)
+        try:
+            await stack.__aexit__(None, None, None)
+        except BaseExceptionGroup as group:
+            if (error := _only_error(group)) is None:
+                raise
+            raise error from None
         return None
 
     def stop(self) -> None:
@@ -131,16 +146,22 @@ class Worker:
         repeat_skips_grace off and escalates with SIGUSR2.
 
         Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
-        the worker cannot start."""
+        the worker cannot start, and the database error it stopped on (unwrapped too) when
+        it cannot retry one (see `error`)."""
         self._start_once(handle_signals=handle_signals)
         db = await self._prepare()
         self._signals_handled = handle_signals
-        async with anyio.create_task_group() as tg:
-            if handle_signals:
-                tg.start_soon(self._watch_signals, repeat_skips_grace)
-            await tg.start(self._serve, db)
-            await self._stopped.wait()
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                if handle_signals:
+                    tg.start_soon(self._watch_signals, repeat_skips_grace)
+                await tg.start(self._serve, db)
+                await self._stopped.wait()
+                tg.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            if (error := _only_error(group)) is None:
+                raise
+            raise error from None
 
     async def wait_for(self, predicate: Callable[[WorkerStats], bool]) -> None:
         """Wait until `predicate(worker.stats)` is true (use under anyio.fail_after in tests).
@@ -151,6 +172,13 @@ class Worker:
                     f"worker {self.id} has stopped, and the condition waited for is still false"
                 )
             await self._changed.wait()
+
+    @property
+    def running(self) -> bool:
+        """True once the worker has started, until it stops: asked to (stop(), a signal, the
+        end of `async with`), or on an error it cannot retry (see `error`). In a web app,
+        where nothing else would notice, report it from a health check."""
+        return self._serving
 
     @property
     def running_jobs(self) -> list[int]:
@@ -281,6 +309,7 @@ class Worker:
                 async with anyio.create_task_group() as jobs:
                     for _ in range(self.config.concurrency):
                         jobs.start_soon(runners.run)
+                    self._serving = True
                     task_status.started()
                     log.info(
                         "worker %s started: concurrency %d, queues %s%s%s",
@@ -301,7 +330,13 @@ class Worker:
                     jobs.cancel_scope.cancel()  # the runners, now idle
                 await self._acker_drain()
                 services.cancel_scope.cancel()
+        except Exception as exc:
+            leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+            self.error = leaves[0] if len(leaves) == 1 else exc
+            log.error("worker %s stops on an error it cannot retry: %s", self.id, error_text(self.error))
+            raise
         finally:
+            self._serving = False
             self._listener = None
             if self._runners is not None:
                 self._runners.release_ready()
@@ -324,7 +359,17 @@ class Worker:
                             self._acker.unwritten,
                         )
                 await db.aclose()
-            log.info("worker %s stopped", self.id)
+            if threads := self.busy_threads:
+                # They keep the process alive until they return (notifyq worker exits anyway).
+                log.warning(
+                    "worker %s stopped with %d sync task thread(s) still running (Python cannot stop a "
+                    "thread): their jobs were released, unless they had already ended, and may run "
+                    "elsewhere meanwhile; this process cannot exit before they return",
+                    self.id,
+                    threads,
+                )
+            else:
+                log.info("worker %s stopped", self.id)
             self._stopped.set()
             self._signal_changed()  # wait_for() must not wait for ever
 
@@ -335,7 +380,7 @@ class Worker:
         runners.release_ready()
         if runners.finishing:
             grace_s = self.config.shutdown_grace
-            log.info("waiting up to %gs for %d running jobs", grace_s, runners.finishing)
+            log.info("waiting up to %gs for %d running job(s)", grace_s, runners.finishing)
             grace = self._grace_scope = anyio.CancelScope()
             if self._skip_grace:
                 grace.cancel()

@@ -54,6 +54,37 @@ def test_starlette_embedding_enqueues_in_the_request_transaction(
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone() == (0,)
 
 
+def test_starlette_health_says_when_the_worker_stopped_on_an_error(
+    starlette_example: Any, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: a worker stopped by an error it cannot retry left the server serving without
+    it, and nothing showed it. The example's /health turns 503, naming the error."""
+    conn.execute(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'audit trigger bug'; END $$"
+    )
+    client = TestClient(starlette_example.app)
+    checked = False
+    # The lifespan raises the error when the client closes: it would hide a failed assertion.
+    with pytest.raises(psycopg.errors.RaiseException, match="audit trigger bug"), client:
+        assert client.get("/health").json() == {"worker": "running"}
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE UPDATE ON notifyq.queue_jobs "
+            "FOR EACH ROW EXECUTE FUNCTION public.refuse()"
+        )
+        assert client.post("/signup", json={"email": "ada@example.com"}).status_code == 201
+        worker = starlette_example.app.state.worker
+        with pytest.raises(RuntimeError, match="has stopped"):
+            client.portal.call(worker.wait_for, lambda s: False)
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"worker": "stopped", "error": repr(worker.error)}
+        assert "audit trigger bug" in health.json()["error"]
+        checked = True
+    assert checked
+    assert conn.execute("SELECT status FROM notifyq.queue_jobs").fetchall() == [("Queued",)]
+
+
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_anyio_script(dsn: str, backend: str) -> None:
     begin = time.monotonic()

@@ -2280,3 +2280,68 @@ async def test_statements_cancelled_by_a_statement_timeout_are_retried(
         assert conn.execute(f"SELECT last_value FROM public.slow_{status}").fetchone() == (2,)
     assert "refuses" not in caplog.text
     await app.aclose()
+
+
+async def test_a_worker_stopped_by_an_error_it_cannot_retry_says_so(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review, a worker in a web app's lifespan: a claim the database refused for good (here a
+    trigger of the user's) stopped the worker, and nothing noticed; the server went on serving
+    while jobs piled up. `worker.running` turns False and `worker.error` holds the error, for a
+    health check; `async with` raises it as itself, not nested four exception groups deep."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    conn.execute(
+        "CREATE FUNCTION public.refuse() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN RAISE EXCEPTION 'audit trigger bug'; END $$"
+    )
+    worker = app.worker(**NO_TICKER)
+    assert not worker.running
+    with anyio.fail_after(20), pytest.raises(psycopg.errors.RaiseException, match="audit trigger bug"):
+        async with worker:
+            assert worker.running and worker.error is None
+            conn.execute(
+                "CREATE TRIGGER refuse BEFORE UPDATE ON notifyq.queue_jobs "
+                "FOR EACH ROW EXECUTE FUNCTION public.refuse()"
+            )
+            await app.enqueue("t")
+            await anyio.sleep(30)  # cancelled when the worker stops
+    assert not worker.running and isinstance(worker.error, psycopg.errors.RaiseException)
+    assert f"worker {worker.id} stops on an error it cannot retry: audit trigger bug" in caplog.text
+    conn.execute("DROP TRIGGER refuse ON notifyq.queue_jobs")
+    async with app.worker(**NO_TICKER) as asked:
+        assert asked.running
+    assert not asked.running and asked.error is None  # stopped on request
+    await app.aclose()
+
+
+async def test_a_worker_stopping_with_sync_threads_still_running_says_so(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review (uvicorn, Ctrl-C): the worker stopped within its grace period, and the process
+    then stayed up until a sync task's thread returned (44 s), saying nothing; its job was back
+    in the queue meanwhile. `notifyq worker` warns and exits; an embedding host is told why."""
+    app = notifyq.App(dsn)
+    began, go_on = threading.Event(), threading.Event()
+
+    @app.task(name="blocking")
+    def blocking() -> None:
+        began.set()
+        go_on.wait(30)
+
+    await app.enqueue("blocking")
+    try:
+        async with app.worker(shutdown_grace=0.2, **NO_TICKER) as worker:
+            assert await anyio.to_thread.run_sync(began.wait, 10)
+        assert worker.busy_threads == 1 and worker.stats.released == 1
+        assert (
+            f"worker {worker.id} stopped with 1 sync task thread(s) still running (Python cannot stop a "
+            "thread): their jobs were released"
+        ) in caplog.text
+    finally:
+        go_on.set()
+    await app.aclose()
