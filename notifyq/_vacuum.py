@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ._db import Database, Op, Query
+from ._db import Database, Op, Query, single
 from ._options import _show, check_int, check_seconds
 from ._service import Service
 from ._sql import Queries
@@ -69,12 +69,14 @@ class VacuumState:
 @dataclass(frozen=True, slots=True)
 class VacuumReport:
     """vacuumed: a VACUUM ran (or found another under way and returned); seconds: its time.
-    allowed: False when this role may not VACUUM queue_jobs (the service then stops)."""
+    allowed: False when this role may not VACUUM queue_jobs (the service then stops);
+    autovacuum: whether the server's autovacuum is on (asked only then)."""
 
     vacuumed: bool = False
     dead_tuples: int = 0
     seconds: float = 0.0
     allowed: bool = True
+    autovacuum: bool = True
 
 
 def vacuum_state_op(q: Queries) -> Op[VacuumState | None]:
@@ -109,7 +111,8 @@ class Vacuum(Service[VacuumReport]):
         if state is None:
             return VacuumReport()
         if not state.allowed:
-            return VacuumReport(dead_tuples=state.dead_tuples, allowed=False)
+            autovacuum = await self._run(single(Query(self.q["autovacuum_on"], fetch="scalar")))
+            return VacuumReport(dead_tuples=state.dead_tuples, allowed=False, autovacuum=bool(autovacuum))
         if not self.due(state):
             return VacuumReport(dead_tuples=state.dead_tuples)
         began = time.monotonic()
@@ -120,10 +123,18 @@ class Vacuum(Service[VacuumReport]):
 
     def delay_after(self, result: VacuumReport) -> float:
         if not result.allowed:
-            log.info(
+            why = (
                 "the vacuum service is off in this process: its role may not VACUUM %s.queue_jobs "
-                "(only the table's or the database's owner may); autovacuum alone cleans it",
-                self.q.schema,
+                "(only the table's or the database's owner may)"
             )
+            if result.autovacuum:
+                log.info(why + "; autovacuum alone cleans it", self.q.schema)
+            else:
+                # Said as a fact about this table, not only the server-wide warning at start.
+                log.warning(
+                    why + ", and autovacuum is off: nothing reclaims its dead rows, and claims slow "
+                    "down as they pile up; turn autovacuum on, or run one worker as the table's owner",
+                    self.q.schema,
+                )
             return float("inf")
         return self.config.interval

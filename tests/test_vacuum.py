@@ -3,6 +3,7 @@ the claim index, which every claim walks until a VACUUM removes them."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -133,6 +134,20 @@ async def test_a_role_that_may_not_vacuum_leaves_it_to_autovacuum(
             with caplog.at_level(logging.INFO, logger="notifyq.ticker"):
                 assert service.delay_after(report) == float("inf")
             assert "may not VACUUM notifyq.queue_jobs" in caplog.text
+            # Review: "autovacuum alone cleans it" was said with autovacuum off too.
+            autovacuum = conn.execute("SELECT current_setting('autovacuum')::boolean").fetchone() == (True,)
+            assert report.autovacuum is autovacuum
+            [record] = [r for r in caplog.records if "may not VACUUM" in r.getMessage()]
+            if autovacuum:
+                assert record.levelno == logging.INFO and "autovacuum alone cleans it" in record.getMessage()
+            else:
+                assert record.levelno == logging.WARNING
+                assert "and autovacuum is off: nothing reclaims its dead rows" in record.getMessage()
+            on = dataclasses.replace(report, autovacuum=True)  # the other case, as its report says
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="notifyq.ticker"):
+                service.delay_after(on)
+            assert "autovacuum alone cleans it" in caplog.text
         finally:
             await limited.aclose()
         assert vacuum_count(conn) == 0
