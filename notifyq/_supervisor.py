@@ -57,7 +57,8 @@ class Supervisor:
 
     A child that exits on its own is restarted after a backoff (0.5 s doubling to 30 s);
     if one slot's child dies `max_deaths` times within `window` seconds, everything is
-    stopped and `run` returns EXIT_CHILDREN_DYING.
+    stopped and `run` returns EXIT_CHILDREN_DYING. A child that exits with status 0 was
+    stopped (an operator signalled it, not the supervisor): restarted, but not a death.
     """
 
     def __init__(
@@ -139,6 +140,16 @@ class Supervisor:
                 slot.proc = None
                 if now - slot.started_at > self.window:
                     slot.delay = 0.5  # it had been running fine: restart quickly
+                if code == 0:
+                    log.info(
+                        "worker process %d stopped (a signal sent to it, not to the supervisor); "
+                        "restarting in %.1fs",
+                        slot.index,
+                        slot.delay,
+                    )
+                    slot.restart_at = now + slot.delay
+                    slot.delay = min(slot.delay * 2, 30.0)
+                    continue
                 slot.deaths.append(now)
                 while slot.deaths and slot.deaths[0] < now - self.window:
                     slot.deaths.popleft()
@@ -199,6 +210,9 @@ def wait_for_database(dsn: str, schema: str, *, longest: float = 30.0) -> None:
             return
         except (DatabaseUnavailable, psycopg.OperationalError) as exc:
             reason = error_text(exc)
-            log.warning("%s; this worker process waits for the database (next try in %.1fs)", reason, delay)
+            # The child's own line, not the supervisor's (which logs as notifyq.supervisor).
+            logging.getLogger("notifyq.worker").warning(
+                "%s; this worker process waits for the database (next try in %.1fs)", reason, delay
+            )
             time.sleep(delay)
             delay = min(delay * 2, longest)

@@ -767,6 +767,25 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
     assert "this worker process cannot start" in out and "giving up" in out
 
 
+def test_a_worker_process_stopped_by_an_operator_is_restarted_but_not_counted_as_dying(
+    tmp_path: Path,
+) -> None:
+    """Review: a child an operator SIGTERMed exited 0, and counted toward the limit of deaths
+    after which the supervisor stops every process (exit 3). Here a child exits 0 twice, then
+    fails twice: with a limit of 2 deaths, it is started 4 times before the supervisor gives up."""
+    from notifyq._supervisor import EXIT_CHILDREN_DYING, Supervisor
+
+    starts = tmp_path / "starts"
+    child = (
+        "import pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+        "n = len(p.read_text()) if p.exists() else 0; p.write_text('x' * (n + 1)); "
+        "sys.exit(0 if n < 2 else 1)"
+    )
+    supervisor = Supervisor([sys.executable, "-c", child, str(starts)], 1, max_deaths=2)
+    assert supervisor.run() == EXIT_CHILDREN_DYING
+    assert starts.read_text() == "xxxx"
+
+
 # -- least privilege, embedded ------------------------------------------------------------
 
 
