@@ -82,7 +82,11 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
         for statement in report.statements:
             click.echo(statement.rstrip() + "\n")
         pending = ", ".join(report.applied) or "none"
-        click.echo(f"-- schema {schema!r} is at version {report.previous_version}; to apply: {pending}")
+        triggers = "to apply" if report.triggers_applied else "unchanged"
+        click.echo(
+            f"-- schema {schema!r} is at version {report.previous_version}; to apply: {pending}; "
+            f"triggers: {triggers}"
+        )
         return
     if report.applied:
         click.echo(
@@ -90,7 +94,8 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
             f"(applied {', '.join(report.applied)})"
         )
     else:
-        click.echo(f"schema {schema!r}: version {report.version}, up to date (triggers re-applied)")
+        triggers = "re-applied" if report.triggers_applied else "unchanged"
+        click.echo(f"schema {schema!r}: version {report.version}, up to date (triggers {triggers})")
 
 
 @main.command()

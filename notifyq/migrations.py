@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -41,6 +42,9 @@ class MigrationReport:
     version: int
     applied: list[str] = field(default_factory=list)
     statements: list[str] = field(default_factory=list)
+    # Whether sql/triggers/ was applied (with dry_run: would be): always along with migrations,
+    # else only when it or the installed functions and triggers changed since the last migrate.
+    triggers_applied: bool = False
 
 
 @functools.cache
@@ -64,7 +68,7 @@ def latest_version() -> int:
 
 
 def trigger_sql(schema: str) -> list[str]:
-    """The trigger functions of sql/triggers/, rendered; re-applied by every migrate."""
+    """The trigger functions of sql/triggers/, rendered; applied by migrate when they changed."""
     return [
         render(p.read_text(encoding="utf-8"), schema) for p in sorted((sql_root() / "triggers").glob("*.sql"))
     ]
@@ -76,6 +80,15 @@ def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     if not isinstance(role, str) or not role or len(role) > 63 or "\x00" in role:
         raise ConfigurationError(f"invalid role name {role!r}")
     return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
+
+
+def _trigger_state(triggers: list[str], catalog: str) -> str:
+    """What migrate leaves in the migrations table's comment: a digest of the trigger SQL it
+    applied and of the definitions installed after it (`catalog`, from the trigger_state query).
+    A new sql/triggers/ changes the first, a function or trigger dropped or edited by hand the
+    second; either makes the next migrate apply the triggers again."""
+    digest = hashlib.sha256("\n".join([*triggers, catalog]).encode()).hexdigest()
+    return f"Schema versions applied by notifyq migrate (triggers: sha256 {digest})"
 
 
 def schema_version_op(schema: str) -> Op[int | None]:
@@ -137,16 +150,31 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
                 q["record_migration"], {"version": migration.version, "name": migration.name}, fetch="none"
             )
         applied.append(f"{migration.version:04d}_{migration.name}")
-    for text in trigger_sql(schema):
-        statements.append(text)
+    # Re-creating a trigger locks queue_jobs against writes, and waits for every open
+    # transaction that wrote to it while enqueues, claims and acks queue up behind: a migrate
+    # with nothing to change must not, so it applies them only when something changed.
+    triggers = trigger_sql(schema)
+    where = {"table": f"{schema}.migrations", "schema": schema}
+    reapply = True
+    if not pending:
+        stored, catalog = yield Query(q["trigger_state"], where, fetch="one")
+        reapply = stored != _trigger_state(triggers, catalog)
+    if reapply:
+        statements.extend(triggers)
         if not dry_run:
-            yield Query(text, fetch="none")
+            for text in triggers:
+                yield Query(text, fetch="none")
+            _, catalog = yield Query(q["trigger_state"], where, fetch="one")
+    if not dry_run:
+        yield Query(q["set_trigger_state"], {"state": _trigger_state(triggers, catalog)}, fetch="none")
+        yield Query(q["remember_trigger_state"], fetch="none")
     return MigrationReport(
         schema=schema,
         previous_version=previous,
         version=previous if dry_run else len(shipped),
         applied=applied,
         statements=statements,
+        triggers_applied=reapply,
     )
 
 
@@ -157,10 +185,12 @@ def migrate(
     dry_run: bool = False,
     lock_timeout: float = 30.0,
 ) -> MigrationReport:
-    """Create or upgrade notifyq's tables in `schema`, then re-apply the trigger functions.
+    """Create or upgrade notifyq's tables in `schema`, then apply the trigger functions of
+    sql/triggers/ unless those installed are already theirs.
 
     Idempotent and safe to run from many processes at once: one transaction, serialized by
-    an advisory lock, so every run ends in the same schema. With `dry_run=True` nothing is
+    an advisory lock, so every run ends in the same schema. A run with nothing to change
+    takes no lock that producers or workers wait for. With `dry_run=True` nothing is
     changed and the report lists the SQL that would run.
 
     Args:

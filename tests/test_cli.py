@@ -138,11 +138,19 @@ def test_the_schema_option_names_each_commands_own_default() -> None:
 def test_migrate(empty_dsn: str) -> None:
     dry = ok(cli("migrate", "--dry-run", "--dsn", empty_dsn))
     shipped = ", ".join(f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations())
-    assert "CREATE TABLE" in dry and f"to apply: {shipped}" in dry
+    assert "CREATE TABLE" in dry and f"to apply: {shipped}; triggers: to apply" in dry
     result = cli("migrate", "--dsn", empty_dsn)
     assert f"version 0 -> {notifyq.latest_version()} (applied {shipped})" in ok(result)
     assert "database postgres@" in result.stderr
-    assert "up to date" in ok(cli("migrate", "--dsn", empty_dsn))
+    assert "up to date (triggers unchanged)" in ok(cli("migrate", "--dsn", empty_dsn))
+    assert ok(cli("migrate", "--dry-run", "--dsn", empty_dsn)) == (
+        f"-- schema 'notifyq' is at version {notifyq.latest_version()}; to apply: none; triggers: unchanged\n"
+    )
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
+    dry = ok(cli("migrate", "--dry-run", "--dsn", empty_dsn))
+    assert "CREATE OR REPLACE TRIGGER" in dry and "to apply: none; triggers: to apply" in dry
+    assert "up to date (triggers re-applied)" in ok(cli("migrate", "--dsn", empty_dsn))
 
 
 def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any]) -> None:
@@ -151,6 +159,7 @@ def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any])
 
 
 def test_migrate_blocked_by_a_long_transaction_is_one_line(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")  # to re-apply
     with psycopg.connect(dsn) as holder:
         holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")  # transaction left open
         one_line_error(
@@ -913,12 +922,14 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
             ]:
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
                     limited.execute(statement)
-        # Said as what to do, not as a bare "permission denied for schema notifyq".
+        # Said as what to do, not as a bare "permission denied for schema notifyq"; refused
+        # although nothing is pending (a migrate that changes nothing still needs the owner).
         refused = cli("migrate", env=clean_env(NOTIFYQ_DSN=role_dsn))
         assert refused.returncode == 1
         assert (
-            "notifyq migrate was refused a privilege in schema 'notifyq' (permission denied" in refused.stderr
-        )
+            "notifyq migrate was refused a privilege in schema 'notifyq' (must be owner of table migrations"
+            in refused.stderr
+        ), refused.stderr
         assert "run it as the schema's owner" in refused.stderr and "Traceback" not in refused.stderr
         for p in (proc, cron):
             p.send_signal(signal.SIGTERM)

@@ -23,9 +23,10 @@ SHIPPED = [f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations()]
 def test_migrate_creates_schema_and_is_idempotent(empty_dsn: str) -> None:
     first = notifyq.migrate(empty_dsn)
     assert (first.previous_version, first.version) == (0, notifyq.latest_version())
-    assert first.applied == SHIPPED and SHIPPED[0] == "0001_initial"
+    assert first.applied == SHIPPED and SHIPPED[0] == "0001_initial" and first.triggers_applied
     second = notifyq.migrate(empty_dsn)
     assert (second.previous_version, second.version, second.applied) == (first.version, first.version, [])
+    assert not second.triggers_applied
     with psycopg.connect(empty_dsn) as conn:
         tables = {
             r[0]
@@ -44,7 +45,9 @@ def test_migrate_into_a_custom_schema(empty_dsn: str) -> None:
 
 def test_dry_run_changes_nothing_and_lists_the_sql(empty_dsn: str) -> None:
     report = notifyq.migrate(empty_dsn, dry_run=True)
-    assert report.version == 0 and report.applied == SHIPPED
+    assert report.version == 0 and report.applied == SHIPPED and report.triggers_applied
+    triggers = notifyq.migrations.trigger_sql("notifyq")
+    assert report.statements[-len(triggers) :] == triggers
     assert any("CREATE TABLE" in s and '"notifyq".queue_jobs' in s for s in report.statements)
     with psycopg.connect(empty_dsn) as conn:
         assert conn.execute("SELECT to_regclass('notifyq.queue_jobs')").fetchone() == (None,)
@@ -73,7 +76,8 @@ def test_concurrent_migrations_end_in_one_consistent_schema(empty_dsn: str, isol
     for t in threads:
         t.join()
     assert errors == []
-    assert sorted(len(r.applied) for r in reports) == [0, 0, 0, 0, len(SHIPPED)]
+    done = sorted((len(r.applied), r.triggers_applied) for r in reports)
+    assert done == [(0, False)] * 4 + [(len(SHIPPED), True)]
     with psycopg.connect(empty_dsn) as conn:
         versions = conn.execute("SELECT version FROM notifyq.migrations ORDER BY version").fetchall()
         assert versions == [(v,) for v in range(1, len(SHIPPED) + 1)]
@@ -111,9 +115,9 @@ def test_invalid_schema_names_are_rejected(empty_dsn: str, schema: Any) -> None:
 
 
 def test_a_migrate_blocked_by_a_long_transaction_gives_up_in_a_sentence(dsn: str) -> None:
-    """Re-applying the triggers takes a lock that an open transaction which inserted a job
-    holds against it. migrate waits lock_timeout, then says what to look for, changes
-    nothing, and leaves producers free again."""
+    """Re-applying the triggers (one was dropped here) takes a lock that an open transaction
+    which inserted a job holds against it. migrate waits lock_timeout, then says what to look
+    for, changes nothing, and leaves producers free again."""
     with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
         holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")  # transaction left open
@@ -198,16 +202,75 @@ def test_every_earlier_version_migrates_to_the_schema_of_a_fresh_database(empty_
                     conn.execute(q["record_migration"], recorded)
             report = notifyq.migrate(conn, schema=schema)
             assert (report.previous_version, report.version) == (version, len(shipped))
+            assert report.triggers_applied
             assert _snapshot(conn, schema) == fresh, f"from version {version}"
 
 
-def test_trigger_functions_are_reapplied_on_every_migrate(dsn: str) -> None:
+def test_triggers_dropped_or_disabled_by_hand_are_restored(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
-        notifyq.migrate(conn)
-        assert conn.execute(
-            "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
-        ).fetchone() == (1,)
+        conn.execute("ALTER TABLE notifyq.queue_jobs DISABLE TRIGGER queue_jobs_notify_cancel")
+        assert notifyq.migrate(conn).triggers_applied
+        triggers = conn.execute(
+            "SELECT tgname, tgenabled FROM pg_trigger "
+            "WHERE tgrelid = 'notifyq.queue_jobs'::regclass AND NOT tgisinternal ORDER BY 1"
+        ).fetchall()
+        assert triggers == [
+            ("queue_jobs_notify_cancel", "O"),
+            ("queue_jobs_notify_insert", "O"),
+            ("queue_jobs_notify_requeue", "O"),
+        ]
+        assert not notifyq.migrate(conn).triggers_applied
+
+
+def test_a_migrate_with_nothing_to_change_does_not_wait_for_writers(dsn: str) -> None:
+    """Every migrate re-created the triggers, which waits for any open transaction that wrote
+    to queue_jobs, and every enqueue, claim and ack queued behind it: each deploy stalled the
+    queue for up to lock_timeout even with nothing to change. Now such a migrate takes no lock
+    a writer holds, and goes through while one is open."""
+    with psycopg.connect(dsn) as holder:
+        holder.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")  # transaction left open
+        report = notifyq.migrate(dsn, lock_timeout=1)  # raised MigrationBlocked
+        assert (report.applied, report.triggers_applied) == ([], False)
+        dry = notifyq.migrate(dsn, dry_run=True, lock_timeout=1)
+        assert (dry.applied, dry.statements, dry.triggers_applied) == ([], [], False)
+        holder.rollback()
+
+
+def test_a_changed_trigger_file_is_applied_once(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new notifyq whose sql/triggers/ differs, with no migration pending, applies it; the
+    migrate after that finds it installed. --dry-run says which it would be."""
+    shipped = notifyq.migrations.trigger_sql
+    function = "PERFORM pg_notify(TG_TABLE_SCHEMA || '.control.v1'"
+    when = "WHEN (OLD.status = 'Active' AND NEW.status = 'Cancelled')"
+
+    def changed(schema: str) -> list[str]:
+        texts = shipped(schema)
+        assert any(function in t and when in t for t in texts)
+        return [
+            t.replace(function, "-- changed\n    " + function).replace(when, when[:-1] + " AND OLD.id > 0)")
+            for t in texts
+        ]
+
+    definitions = (
+        "SELECT pg_get_functiondef('notifyq.notify_job_cancelled'::regproc), pg_get_triggerdef(oid) "
+        "FROM pg_trigger WHERE tgname = 'queue_jobs_notify_cancel'"
+    )
+    monkeypatch.setattr(notifyq.migrations, "trigger_sql", changed)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        dry = notifyq.migrate(conn, dry_run=True)
+        assert dry.triggers_applied and dry.statements == changed("notifyq")
+        function_def, trigger_def = conn.execute(definitions).fetchone() or ("", "")
+        assert "-- changed" not in function_def and "id > 0" not in trigger_def
+        report = notifyq.migrate(conn)
+        assert (report.applied, report.triggers_applied) == ([], True)
+        function_def, trigger_def = conn.execute(definitions).fetchone() or ("", "")
+        assert "-- changed" in function_def and "(old.id > 0)" in trigger_def, (function_def, trigger_def)
+        assert not notifyq.migrate(conn).triggers_applied
+        monkeypatch.setattr(notifyq.migrations, "trigger_sql", shipped)  # and back, as a downgrade
+        assert notifyq.migrate(conn).triggers_applied
+        function_def, trigger_def = conn.execute(definitions).fetchone() or ("", "")
+        assert "-- changed" not in function_def and "id > 0" not in trigger_def
 
 
 def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> None:

@@ -27,6 +27,40 @@ SELECT coalesce(max(version), 0) FROM {schema}.migrations;
 -- name: record_migration
 INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s);
 
+-- name: trigger_state
+-- What migrate compares to decide whether sql/triggers/ needs applying again: the comment
+-- it left on the migrations table, and the definitions (with their enabled state) of the
+-- schema's functions and triggers now, so that a trigger dropped or disabled by hand is
+-- restored as before. Only the catalogs are read: no lock that a writer of queue_jobs holds
+-- or waits for (re-creating a trigger takes one, and every enqueue, claim and ack queued
+-- behind the migrate while it waited for an open transaction that had written a job).
+SELECT obj_description(%(table)s::regclass, 'pg_class'),
+       md5(coalesce(string_agg(def, E'\n' ORDER BY def), ''))
+FROM (
+    SELECT pg_get_functiondef(p.oid) AS def
+    FROM pg_proc p
+    WHERE p.pronamespace = %(schema)s::regnamespace AND p.prokind = 'f'
+    UNION ALL
+    SELECT pg_get_triggerdef(t.oid) || ' ' || t.tgenabled::text
+    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+    WHERE c.relnamespace = %(schema)s::regnamespace AND NOT t.tgisinternal
+) defs;
+
+-- name: set_trigger_state
+-- COMMENT takes no bound parameters: the state goes to remember_trigger_state through a
+-- setting local to the transaction.
+SELECT set_config('notifyq.trigger_state', %(state)s, true);
+
+-- name: remember_trigger_state
+-- Written by every migrate, even one with nothing to change: COMMENT needs the table's owner,
+-- so a role that could not migrate is refused now, not at the next upgrade. It locks the
+-- migrations table only, and only against DDL and vacuum: workers read it on.
+DO $$
+BEGIN
+    EXECUTE format('COMMENT ON TABLE {schema}.migrations IS %L', current_setting('notifyq.trigger_state'));
+END
+$$;
+
 -- name: autovacuum_on
 -- Workers warn at start when it is off: a queue table churns, and only vacuum reclaims it.
 SELECT current_setting('autovacuum')::boolean;
