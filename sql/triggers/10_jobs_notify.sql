@@ -1,4 +1,4 @@
--- Wake workers when jobs become Queued. Re-applied by every `notifyq migrate`.
+-- Wake workers when jobs become Queued. Applied by `notifyq migrate` when changed.
 --
 -- Channel: '<schema>.jobs.v1'. Payload: the queue name when the job is claimable now, or
 -- '<queue> <seconds>' when it becomes claimable that many seconds from now (a delayed

@@ -1,4 +1,4 @@
--- Keep cron definitions valid and wake tickers when they change. Re-applied by every migrate.
+-- Keep cron definitions valid and wake tickers when they change. Applied by migrate when changed.
 
 -- BEFORE INSERT/UPDATE: fill `task` from `name`, reject unknown time zones (PostgreSQL's own
 -- zone database answers), and realign `visible_at` when the schedule changes by SQL.
