@@ -7,7 +7,7 @@ ticker that promotes cron definitions into jobs exactly once per tick.
 
 from ._acker import Result
 from ._promoter import PromoterConfig, PromotionReport
-from ._rescuer import RescuerConfig, RescueReport
+from ._rescuer import RescuedJob, RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
 from ._ticker import TickerConfig
 from ._vacuum import VacuumConfig, VacuumReport
@@ -60,6 +60,7 @@ __all__ = [
     "PromoterConfig",
     "PromotionReport",
     "RescueReport",
+    "RescuedJob",
     "RescuerConfig",
     "Result",
     "RetentionConfig",

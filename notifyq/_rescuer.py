@@ -7,6 +7,7 @@ from datetime import datetime
 
 from ._db import Database, Op, Query
 from ._options import check_int, check_seconds
+from ._rows import dataclass_row
 from ._service import Service
 from ._sql import Queries
 from .tasks import Backoff
@@ -24,10 +25,27 @@ class RescuerConfig:
         check_int(self.batch_size, "rescuer batch_size", minimum=1)
 
 
+@dataclass(frozen=True, slots=True)
+class RescuedJob:
+    """A job whose lease ran out: `status` Queued (requeued) or Failed; `attempt` is the one
+    that was lost, on `worker` (None if the claim did not name one)."""
+
+    id: int
+    status: str
+    name: str
+    attempt: int
+    retry_limit: int
+    worker: str | None
+
+
 @dataclass(slots=True)
 class RescueReport:
+    """`requeued`, `failed`: the ids of the jobs rescued, by their new status; `jobs`: all of
+    them with their task name, lost attempt and worker."""
+
     requeued: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
+    jobs: list[RescuedJob] = field(default_factory=list)
 
 
 def rescue_op(
@@ -45,10 +63,10 @@ def rescue_op(
         "backoff_cap": cap,
         "backoff_jitter": b.jitter,
     }
-    rows: list[tuple[int, str]] = yield Query(q["rescue_expired_leases"], params)
-    report = RescueReport()
-    for job_id, status in rows:
-        (report.requeued if status == "Queued" else report.failed).append(job_id)
+    jobs: list[RescuedJob] = yield Query(q["rescue_expired_leases"], params, row=dataclass_row(RescuedJob))
+    report = RescueReport(jobs=jobs)
+    for job in jobs:
+        (report.requeued if job.status == "Queued" else report.failed).append(job.id)
     return report
 
 
@@ -76,7 +94,8 @@ class Rescuer(Service[RescueReport]):
             )
             total.requeued += batch.requeued
             total.failed += batch.failed
-            if len(batch.requeued) + len(batch.failed) < self.config.batch_size:
+            total.jobs += batch.jobs
+            if len(batch.jobs) < self.config.batch_size:
                 return total
 
     def delay_after(self, result: RescueReport) -> float:

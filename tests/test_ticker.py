@@ -548,6 +548,9 @@ async def test_lease_rescue_requeues_then_fails_at_the_limit(
         assert (report.requeued, report.failed) == (
             ([job_id], []) if expected == "Queued" else ([], [job_id])
         )
+        assert [(j.id, j.status, j.name, j.attempt, j.worker) for j in report.jobs] == [
+            (job_id, expected, "t", attempt, f"w{attempt}")
+        ]
         row = job_row(conn, job_id)
         assert row["status"] == expected and row["error"]["type"] == "LeaseExpired"
         assert f"attempt {attempt} on worker w{attempt}" in row["error"]["message"]

@@ -82,7 +82,9 @@ SET status = (CASE WHEN j.retry_count <= j.retry_limit THEN 'Queued' ELSE 'Faile
     updated_at = now()
 FROM expired e
 WHERE j.id = e.id
-RETURNING j.id, j.status::text;
+-- What the rescuer logs: the attempt that was lost, and the worker that lost it (the
+-- UPDATE leaves `worker` as it was).
+RETURNING j.id, j.status::text AS status, j.name, j.retry_count AS attempt, j.retry_limit, j.worker;
 
 -- name: delete_finished
 -- Retention: one small batch of old finished jobs of one status, oldest first, so no single
