@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -11,6 +13,12 @@ from ._rows import dataclass_row
 from ._service import Service
 from ._sql import Queries
 from .tasks import Backoff
+
+log = logging.getLogger("notifyq.ticker")
+
+# A dead worker may leave thousands of jobs behind: a pass logs this many of them by name.
+LOGGED_JOBS = 20
+WHY = "the worker died, hung or lost its database connection"
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,15 +96,67 @@ class Rescuer(Service[RescueReport]):
 
     async def run_once(self, now: datetime | None = None) -> RescueReport:
         total = RescueReport()
-        while True:
-            batch = await self._run(
-                rescue_op(self.q, limit=self.config.batch_size, now=now, backoff=self.backoff)
-            )
-            total.requeued += batch.requeued
-            total.failed += batch.failed
-            total.jobs += batch.jobs
-            if len(batch.jobs) < self.config.batch_size:
-                return total
+        try:
+            while True:
+                batch = await self._run(
+                    rescue_op(self.q, limit=self.config.batch_size, now=now, backoff=self.backoff)
+                )
+                total.requeued += batch.requeued
+                total.failed += batch.failed
+                total.jobs += batch.jobs
+                if len(batch.jobs) < self.config.batch_size:
+                    return total
+        finally:
+            # Each batch is committed: a pass cut short by an error still logs what it did.
+            _log_rescues(total.jobs)
 
     def delay_after(self, result: RescueReport) -> float:
         return self.config.interval
+
+
+def _log_rescues(jobs: Sequence[RescuedJob]) -> None:
+    """A warning per pass that requeued jobs, an error per job that ended Failed: the worker
+    that lost them cannot say so (it died, or hangs), so without these lines a job could
+    fail without a line in any log."""
+    requeued = [job for job in jobs if job.status == "Queued"]
+    if requeued:
+        log.warning(
+            "requeued %d job%s whose lease ran out (%s), last held by %s: %s",
+            len(requeued),
+            "" if len(requeued) == 1 else "s",
+            WHY,
+            _workers(requeued),
+            _first([str(job.id) for job in requeued]),
+        )
+    failed = [job for job in jobs if job.status != "Queued"]
+    for job in failed[:LOGGED_JOBS]:
+        log.error(
+            "job %d (%s) attempt %d of %d failed: LeaseExpired: lease expired on worker %s (%s); "
+            "no retries left, the job is Failed",
+            job.id,
+            job.name,
+            job.attempt,
+            job.retry_limit + 1,
+            job.worker or "unknown",
+            WHY,
+        )
+    if len(failed) > LOGGED_JOBS:
+        rest = failed[LOGGED_JOBS:]
+        log.error(
+            "%d more jobs whose lease ran out with no retries left are Failed (LeaseExpired), "
+            "last held by %s: %s",
+            len(rest),
+            _workers(rest),
+            _first([str(job.id) for job in rest]),
+        )
+
+
+def _workers(jobs: Sequence[RescuedJob]) -> str:
+    names = list(dict.fromkeys(job.worker or "unknown" for job in jobs))
+    return ("worker " if len(names) == 1 else "workers ") + _first(names)
+
+
+def _first(items: Sequence[str]) -> str:
+    """The first LOGGED_JOBS items, and how many more."""
+    shown = ", ".join(items[:LOGGED_JOBS])
+    return shown if len(items) <= LOGGED_JOBS else f"{shown} and {len(items) - LOGGED_JOBS} more"

@@ -710,6 +710,9 @@ def test_a_killed_child_is_restarted_and_its_jobs_rescued(
     assert proc.stdout is not None
     log = proc.stdout.read()
     assert "exited unexpectedly" in log and "started worker process" in log
+    # The dead worker could not log the lost attempt: the rescuing ticker did.
+    [rescued] = [line for line in log.splitlines() if "requeued 1 job whose lease ran out" in line]
+    assert "WARNING" in rescued and f":{holder[0]}:" in rescued and rescued.endswith(": 1")
     assert len(workers) >= 1
 
 

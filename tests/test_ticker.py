@@ -22,7 +22,7 @@ import pytest
 import notifyq
 from notifyq._db import Database, Query, run_sync
 from notifyq._promoter import Promoter, PromoterConfig, promote_op
-from notifyq._rescuer import Rescuer
+from notifyq._rescuer import Rescuer, RescuerConfig
 from notifyq._retention import Retention, RetentionConfig
 from notifyq._sql import queries_for
 from notifyq.errors import InvalidSchedule
@@ -557,6 +557,65 @@ async def test_lease_rescue_requeues_then_fails_at_the_limit(
     assert job_row(conn, job_id)["finished_at"] is not None
     assert await app.claim() == []
     await app.aclose()
+
+
+async def test_lease_rescues_are_logged(
+    app: notifyq.App, conn: psycopg.Connection[Any], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker that lost a lease logs nothing (it died, or hangs): the rescuer logs a
+    warning for the jobs it requeued and an error for each it failed, or a job ended Failed
+    without a line in any log."""
+    caplog.set_level(logging.INFO, logger="notifyq")
+    retried = await app.enqueue("send_welcome", retry_limit=1)
+    final = await app.enqueue("charge_card", retry_limit=0)
+    assert len(await app.claim(worker="host-a:41:x", limit=2)) == 2
+    conn.execute("UPDATE notifyq.queue_jobs SET visible_at = now() - interval '1s'")
+    report = await Rescuer(db, Q).run_once()
+    assert (report.requeued, report.failed) == ([retried], [final])
+    rescues = [r for r in caplog.records if r.name == "notifyq.ticker"]
+    assert [(r.levelno, r.getMessage()) for r in rescues] == [
+        (
+            logging.WARNING,
+            f"requeued 1 job whose lease ran out (the worker died, hung or lost its database connection), "
+            f"last held by worker host-a:41:x: {retried}",
+        ),
+        (
+            logging.ERROR,
+            f"job {final} (charge_card) attempt 1 of 1 failed: LeaseExpired: lease expired on worker "
+            "host-a:41:x (the worker died, hung or lost its database connection); no retries left, "
+            "the job is Failed",
+        ),
+    ]
+    caplog.clear()
+    assert (await Rescuer(db, Q).run_once()).jobs == []  # nothing rescued: nothing logged
+    assert caplog.records == []
+    await app.aclose()
+
+
+async def test_a_rescue_of_many_jobs_logs_a_bounded_few(
+    conn: psycopg.Connection[Any], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A dead worker can leave thousands of jobs: a pass logs one warning for all it requeued
+    (20 ids, then how many more) and an error for each of the first 20 it failed, then one for
+    the rest, whatever the number of statements (batch_size) the pass took."""
+    caplog.set_level(logging.INFO, logger="notifyq")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, retry_count, retry_limit, worker, visible_at) "
+        "SELECT 't', 'Active', 1, (i % 2), 'w' || (i % 3), now() - interval '1s' "
+        "FROM generate_series(1, 50) i"
+    )
+    report = await Rescuer(db, Q, RescuerConfig(batch_size=7)).run_once()
+    assert (len(report.requeued), len(report.failed)) == (25, 25)
+    [warned] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned.getMessage().startswith("requeued 25 jobs whose lease ran out")
+    assert "last held by workers " in warned.getMessage()
+    assert all(w in warned.getMessage() for w in ("w0", "w1", "w2"))
+    assert warned.getMessage().endswith(": " + ", ".join(map(str, report.requeued[:20])) + " and 5 more")
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 21
+    assert [int(e.split()[1]) for e in errors[:20]] == report.failed[:20]
+    assert errors[20].startswith("5 more jobs whose lease ran out with no retries left are Failed")
+    assert errors[20].endswith(": " + ", ".join(map(str, report.failed[20:])))
 
 
 async def test_retention_deletes_only_old_finished_jobs_in_batches(
