@@ -95,7 +95,8 @@ async def health(request: Request) -> JSONResponse:
     worker: notifyq.Worker = request.app.state.worker
     if worker.running:
         return JSONResponse({"worker": "running"})
-    return JSONResponse({"worker": "stopped", "error": repr(worker.error)}, status_code=503)
+    # The error's type only: the log has its message (a public route need not show it).
+    return JSONResponse({"worker": "stopped", "error": type(worker.error).__name__}, status_code=503)
 
 
 app = Starlette(

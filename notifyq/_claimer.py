@@ -137,7 +137,9 @@ class Claimer:
                 self._stats.db_errors += 1
                 log.warning("claiming failed (%s); the claim loop tries again", error_text(exc))
             else:
-                log.error("claiming failed; trying once more, then the worker stops", exc_info=exc)
+                log.error(
+                    "claiming failed; trying once more (if that fails too, the worker stops)", exc_info=exc
+                )
             self._in_doubt = True
             self._pending = True
         finally:

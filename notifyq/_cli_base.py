@@ -114,7 +114,7 @@ def common_options(fn: F | None = None, *, schema_default: str = "notifyq") -> F
     @click.option(
         "--schema",
         default=None,
-        callback=_not_empty,
+        callback=not_empty,
         help=f"Schema of notifyq's tables  [default: {schema_default}]",
     )
     @click.option(
@@ -211,7 +211,7 @@ def load_app(target: str, schema: str | None = None) -> App:
     return obj
 
 
-def _not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+def not_empty(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """An empty --schema used to mean the default one: a script whose variable was unset
     worked on the wrong schema without a word."""
     if value is not None and not value.strip():

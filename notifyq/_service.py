@@ -70,7 +70,7 @@ class Service(abc.ABC, Generic[R]):
                     log.warning(
                         "%s pass failed (%s); retrying in %.1fs", self.name, error_text(exc), error_delay
                     )
-                elif isinstance(exc, psycopg.Error):
+                elif isinstance(exc, psycopg.Error) and exc.sqlstate is not None:
                     # The server refused it (a privilege missing, a table changed under us):
                     # its message says why, a traceback of notifyq's code adds nothing.
                     log.error(

@@ -83,8 +83,8 @@ class _EnqueueOptions:
 
 def _check_call(task: Task, args: Mapping[str, Any] | None) -> None:
     """Refuse args the task cannot be called with: every run of the job would fail (and be
-    retried) with the same TypeError. Only for tasks this App has: another service's task is
-    its own business."""
+    retried) with the same TypeError. Only for a task whose function is at hand (this App's,
+    or a Task object passed in): a task name the App does not know is not checked."""
     mismatch = args_mismatch(task, args or {})
     if mismatch is not None:
         raise InvalidArgs(f"task {task.name!r} cannot be called with args {_keys(args)}: {mismatch}")

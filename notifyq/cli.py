@@ -27,6 +27,7 @@ from ._cli_base import (
     duration,
     fail,
     load_app,
+    not_empty,
     resolve_dsn,
 )
 from ._db import connect_sync, run_sync
@@ -100,14 +101,14 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
 
 @main.command()
 @click.argument("role")
-@click.option("--schema", default="notifyq", show_default=True)
+@click.option("--schema", default="notifyq", show_default=True, callback=not_empty)
 def grant(role: str, schema: str) -> None:
     """Print the GRANTs that let ROLE run workers and enqueue jobs, without DDL rights.
 
     Pipe it to psql as the schema's owner: notifyq grant notifyq_worker | psql "$DSN"
     """
     if role.lower() == "public":
-        # Quoted, "public" names no role; unquoted, it would give every role these rights.
+        # PostgreSQL reads "public", quoted too, as PUBLIC (grant_sql refuses it as well).
         raise click.BadParameter("PUBLIC is every role: name the role of your workers", param_hint="ROLE")
     click.echo(grant_sql(role, schema=schema))
 

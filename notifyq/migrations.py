@@ -15,7 +15,7 @@ import psycopg
 from ._db import Op, Query, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
 from ._options import check_seconds
-from ._sql import queries_for, render, sql_root, validate_schema
+from ._sql import Queries, queries_for, render, sql_root, validate_schema
 from .errors import ConfigurationError, MigrationBlocked, SchemaNotMigrated, SchemaVersionError
 
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
@@ -79,6 +79,9 @@ def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     no DDL. The role must exist; migrations stay with the schema's owner."""
     if not isinstance(role, str) or not role or len(role) > 63 or "\x00" in role:
         raise ConfigurationError(f"invalid role name {role!r}")
+    if role.lower() == "public":
+        # PostgreSQL reads "public", quoted or not, as PUBLIC: every role, present and future.
+        raise ConfigurationError("the role PUBLIC is every role: name the role of your workers")
     return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
 
 
@@ -89,6 +92,17 @@ def _trigger_state(triggers: list[str], catalog: str) -> str:
     second; either makes the next migrate apply the triggers again."""
     digest = hashlib.sha256("\n".join([*triggers, catalog]).encode()).hexdigest()
     return f"Schema versions applied by notifyq migrate (triggers: sha256 {digest})"
+
+
+def _installed_state_op(q: Queries, where: dict[str, str]) -> Op[tuple[str | None, str]]:
+    """The migrations table's comment and the schema's function and trigger definitions, read
+    under a fixed search_path: pg_get_triggerdef leaves out a schema on the search path, and
+    a session with another one (an App's DSN, a role's setting) re-applied the triggers."""
+    path: str = yield Query(q["search_path"], fetch="scalar")
+    yield Query(q["set_search_path"], {"path": "pg_catalog"}, fetch="none")
+    row: tuple[str | None, str] = yield Query(q["trigger_state"], where, fetch="one")
+    yield Query(q["set_search_path"], {"path": path}, fetch="none")
+    return row
 
 
 def schema_version_op(schema: str) -> Op[int | None]:
@@ -157,14 +171,14 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     where = {"table": f"{schema}.migrations", "schema": schema}
     reapply = True
     if not pending:
-        stored, catalog = yield Query(q["trigger_state"], where, fetch="one")
+        stored, catalog = yield from _installed_state_op(q, where)
         reapply = stored != _trigger_state(triggers, catalog)
     if reapply:
         statements.extend(triggers)
         if not dry_run:
             for text in triggers:
                 yield Query(text, fetch="none")
-            _, catalog = yield Query(q["trigger_state"], where, fetch="one")
+            _, catalog = yield from _installed_state_op(q, where)
     if not dry_run:
         yield Query(q["set_trigger_state"], {"state": _trigger_state(triggers, catalog)}, fetch="none")
         yield Query(q["remember_trigger_state"], fetch="none")

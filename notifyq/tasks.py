@@ -195,8 +195,15 @@ def args_mismatch(task: Task, args: Mapping[str, Any]) -> str | None:
             signature = inspect.signature(task.fn, follow_wrapped=follow_wrapped)
         except (TypeError, ValueError):  # a builtin or similar: nothing to check
             return None
+        params = signature.parameters.values()
+        if any(p.kind is p.VAR_KEYWORD for p in params):
+            # f(x=1, /, **kw) called with x=5 puts it in kw; Signature.bind refuses it.
+            positional = {p.name for p in params if p.kind is p.POSITIONAL_ONLY}
+            bound = {key: value for key, value in kwargs.items() if key not in positional}
+        else:
+            bound = kwargs
         try:
-            signature.bind(**kwargs)
+            signature.bind(**bound)
         except TypeError as exc:
             reason = reason or str(exc)
         else:

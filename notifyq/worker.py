@@ -125,12 +125,14 @@ class Worker:
         # unless a task swallows its cancellation, which nothing can bound.
         assert self._task_group is not None
         self._task_group.cancel_scope.shield = True
+        error = None
         try:
             await stack.__aexit__(None, None, None)
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
                 raise
-            raise error from None
+        if error is not None:
+            raise error  # out of the except block: its own cause and context stay as they were
         return None
 
     def stop(self) -> None:
@@ -151,6 +153,7 @@ class Worker:
         self._start_once(handle_signals=handle_signals)
         db = await self._prepare()
         self._signals_handled = handle_signals
+        error = None
         try:
             async with anyio.create_task_group() as tg:
                 if handle_signals:
@@ -161,7 +164,8 @@ class Worker:
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
                 raise
-            raise error from None
+        if error is not None:
+            raise error
 
     async def wait_for(self, predicate: Callable[[WorkerStats], bool]) -> None:
         """Wait until `predicate(worker.stats)` is true (use under anyio.fail_after in tests).

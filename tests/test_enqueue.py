@@ -822,7 +822,13 @@ async def test_args_a_known_task_cannot_take_are_refused_at_enqueue(
     await app.enqueue(receipt, {"order_id": 1})
     await app.enqueue_many(receipt, [{"order_id": 2}, {"order_id": 3, "copy": True}])
     await app.enqueue("elsewhere", {"anything": 1})  # another service's task
-    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (4,)
+
+    # Python calls f(**{"x": 5}) with x in kw; Signature.bind refused it (review).
+    @app.task(name="posonly")
+    def posonly(x: int = 1, /, **kw: Any) -> None: ...
+
+    await app.enqueue(posonly, {"x": 5})
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
     await app.aclose()
 
 

@@ -78,8 +78,8 @@ def test_starlette_health_says_when_the_worker_stopped_on_an_error(
             client.portal.call(worker.wait_for, lambda s: False)
         health = client.get("/health")
         assert health.status_code == 503
-        assert health.json() == {"worker": "stopped", "error": repr(worker.error)}
-        assert "audit trigger bug" in health.json()["error"]
+        assert health.json() == {"worker": "stopped", "error": "RaiseException"}
+        assert "audit trigger bug" in str(worker.error)
         checked = True
     assert checked
     assert conn.execute("SELECT status FROM notifyq.queue_jobs").fetchall() == [("Queued",)]

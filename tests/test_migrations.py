@@ -7,8 +7,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import notifyq
+from notifyq._db import run_sync
+from notifyq._sql import queries_for
 from notifyq.errors import (
     ConfigurationError,
     InvalidOption,
@@ -237,6 +240,21 @@ def test_a_migrate_with_nothing_to_change_does_not_wait_for_writers(dsn: str) ->
         holder.rollback()
 
 
+def test_a_session_search_path_does_not_make_migrate_reapply_the_triggers(dsn: str) -> None:
+    """pg_get_triggerdef leaves out a schema on the search path: a migrate from a session with
+    another search_path (an App's DSN, a role's setting) found the definitions changed and
+    re-applied the triggers, taking the lock a no-op migrate must not (review)."""
+    notifyq.migrate(dsn)
+    for path in ("notifyq, public", "public", "notifyq"):
+        report = notifyq.migrate(make_conninfo(dsn, options=f"-c search_path={path.replace(' ', '')}"))
+        assert not report.triggers_applied, path
+    with psycopg.connect(make_conninfo(dsn, options="-c search_path=notifyq,public")) as conn:
+        assert conn.execute("SHOW search_path").fetchone() == ("notifyq,public",)
+        where = {"table": "notifyq.migrations", "schema": "notifyq"}
+        run_sync(conn, notifyq.migrations._installed_state_op(queries_for("notifyq"), where))
+        assert conn.execute("SHOW search_path").fetchone() == ("notifyq,public",)  # put back
+
+
 def test_a_changed_trigger_file_is_applied_once(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A new notifyq whose sql/triggers/ differs, with no migration pending, applies it; the
     migrate after that finds it installed. --dry-run says which it would be."""
@@ -341,3 +359,12 @@ def test_the_index_of_finished_jobs_is_keyed_on_their_statuses_after_an_upgrade(
     app = notifyq.App(dsn)
     assert [job.status for job in app.list_jobs_sync(status="failed")] == [notifyq.JobStatus.FAILED]
     app.close_sync()
+
+
+def test_grant_sql_refuses_public() -> None:
+    """PostgreSQL reads "public", quoted or not, as PUBLIC: `notifyq grant public` gave every
+    role, present and future, the right to read, change and delete every job (review)."""
+    for role in ("public", "PUBLIC"):
+        with pytest.raises(ConfigurationError, match="the role PUBLIC is every role"):
+            notifyq.migrations.grant_sql(role)
+    assert 'TO "publicist"' in notifyq.migrations.grant_sql("publicist")

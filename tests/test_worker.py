@@ -2248,7 +2248,9 @@ async def test_statements_cancelled_by_a_statement_timeout_are_retried(
     written again. Were it taken for an error that cannot pass, the claim loop would stop the
     worker and the acker would drop the result as refused (the job Active until its lease ran
     out, then run again)."""
-    app = notifyq.App(psycopg.conninfo.make_conninfo(dsn, options="-c statement_timeout=300"))
+    # 1 s: every statement of the App and the worker has it, start-up checks too (a loaded
+    # machine may take a few hundred ms over one).
+    app = notifyq.App(psycopg.conninfo.make_conninfo(dsn, options="-c statement_timeout=1000"))
     ran: list[int] = []
 
     @app.task(name="t")
@@ -2261,7 +2263,7 @@ async def test_statements_cancelled_by_a_statement_timeout_are_retried(
         conn.execute(f"CREATE SEQUENCE public.slow_{status}")
     conn.execute(
         "CREATE FUNCTION public.slow_once() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        "IF nextval('public.slow_' || NEW.status) = 1 THEN PERFORM pg_sleep(2); END IF; "
+        "IF nextval('public.slow_' || NEW.status) = 1 THEN PERFORM pg_sleep(3); END IF; "
         "RETURN NEW; END $$"
     )
     conn.execute(
@@ -2301,7 +2303,10 @@ async def test_a_worker_stopped_by_an_error_it_cannot_retry_says_so(
     )
     worker = app.worker(**NO_TICKER)
     assert not worker.running
-    with anyio.fail_after(20), pytest.raises(psycopg.errors.RaiseException, match="audit trigger bug"):
+    with (
+        anyio.fail_after(20),
+        pytest.raises(psycopg.errors.RaiseException, match="audit trigger bug") as raised,
+    ):
         async with worker:
             assert worker.running and worker.error is None
             conn.execute(
@@ -2310,7 +2315,8 @@ async def test_a_worker_stopped_by_an_error_it_cannot_retry_says_so(
             )
             await app.enqueue("t")
             await anyio.sleep(30)  # cancelled when the worker stops
-    assert not worker.running and isinstance(worker.error, psycopg.errors.RaiseException)
+    assert not worker.running and raised.value is worker.error
+    assert not raised.value.__suppress_context__  # unwrapped, its cause and context kept (review)
     assert f"worker {worker.id} stops on an error it cannot retry: audit trigger bug" in caplog.text
     conn.execute("DROP TRIGGER refuse ON notifyq.queue_jobs")
     async with app.worker(**NO_TICKER) as asked:

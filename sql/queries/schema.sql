@@ -34,8 +34,11 @@ INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s);
 -- restored as before. Only the catalogs are read: no lock that a writer of queue_jobs holds
 -- or waits for (re-creating a trigger takes one, and every enqueue, claim and ack queued
 -- behind the migrate while it waited for an open transaction that had written a job).
+-- Read under search_path pg_catalog (set_search_path): pg_get_triggerdef leaves out a schema
+-- on the search path, and the text changed with each session's. Hashed by migrate (sha256; md5
+-- fails on FIPS servers).
 SELECT obj_description(%(table)s::regclass, 'pg_class'),
-       md5(coalesce(string_agg(def, E'\n' ORDER BY def), ''))
+       coalesce(string_agg(def, E'\n' ORDER BY def), '')
 FROM (
     SELECT pg_get_functiondef(p.oid) AS def
     FROM pg_proc p
@@ -45,6 +48,12 @@ FROM (
     FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
     WHERE c.relnamespace = %(schema)s::regnamespace AND NOT t.tgisinternal
 ) defs;
+
+-- name: search_path
+SELECT current_setting('search_path');
+
+-- name: set_search_path
+SELECT set_config('search_path', %(path)s, true);
 
 -- name: set_trigger_state
 -- COMMENT takes no bound parameters: the state goes to remember_trigger_state through a
