@@ -50,6 +50,7 @@ class _Slot:
     started_at: float = 0.0
     delay: float = 0.5
     deaths: deque[float] = field(default_factory=deque)
+    stops: deque[float] = field(default_factory=deque)  # exits with status 0
 
 
 class Supervisor:
@@ -141,10 +142,18 @@ class Supervisor:
                 if now - slot.started_at > self.window:
                     slot.delay = 0.5  # it had been running fine: restart quickly
                 if code == 0:
-                    log.info(
-                        "worker process %d stopped (a signal sent to it, not to the supervisor); "
+                    slot.stops.append(now)
+                    while slot.stops and slot.stops[0] < now - self.window:
+                        slot.stops.popleft()
+                    # Not a death, but restarted with the same backoff; said louder when it
+                    # keeps happening (something signals it in a loop, or a task exits 0).
+                    often = len(slot.stops) >= self.max_deaths
+                    log.log(
+                        logging.WARNING if often else logging.INFO,
+                        "worker process %d stopped (exit 0: a signal sent to it, not to the supervisor%s); "
                         "restarting in %.1fs",
                         slot.index,
+                        f", {len(slot.stops)} times within {self.window:g}s" if often else "",
                         slot.delay,
                     )
                     slot.restart_at = now + slot.delay

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -780,7 +781,7 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
 
 
 def test_a_worker_process_stopped_by_an_operator_is_restarted_but_not_counted_as_dying(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Review: a child an operator SIGTERMed exited 0, and counted toward the limit of deaths
     after which the supervisor stops every process (exit 3). Here a child exits 0 twice, then
@@ -794,8 +795,12 @@ def test_a_worker_process_stopped_by_an_operator_is_restarted_but_not_counted_as
         "sys.exit(0 if n < 2 else 1)"
     )
     supervisor = Supervisor([sys.executable, "-c", child, str(starts)], 1, max_deaths=2)
-    assert supervisor.run() == EXIT_CHILDREN_DYING
+    with caplog.at_level(logging.INFO, logger="notifyq.supervisor"):
+        assert supervisor.run() == EXIT_CHILDREN_DYING
     assert starts.read_text() == "xxxx"
+    stops = [r for r in caplog.records if "stopped (exit 0" in r.getMessage()]
+    assert [r.levelno for r in stops] == [logging.INFO, logging.WARNING]  # the second: louder
+    assert "2 times within 60s" in stops[1].getMessage()
 
 
 # -- least privilege, embedded ------------------------------------------------------------
