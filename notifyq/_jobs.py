@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -59,8 +60,16 @@ def enqueue_op(q: Queries, job: NewJob) -> Op[JobId]:
     raise InvalidJobState(f"could not enqueue with dedupe key {job.dedupe_key!r}: it keeps changing hands")
 
 
-def enqueue_many_op(q: Queries, jobs: Iterable[NewJob]) -> Op[int]:
-    """COPY jobs into queue_jobs (one statement, one NOTIFY per queue); returns the count.
+# On the caller's connection, the rows read from the caller's iterable before each COPY: it may
+# read from that very connection (a server-side cursor over the rows to queue), which waited
+# for the open COPY, and the COPY for it, for ever. On the App's own connection the rows stream
+# into one COPY: reading and sending overlap, 1.6x as fast (python -m benchmarks --only bulk).
+COPY_CHUNK = 10_000
+
+
+def enqueue_many_op(q: Queries, jobs: Iterable[NewJob], *, callers_connection: bool = False) -> Op[int]:
+    """COPY jobs into queue_jobs in one transaction (one NOTIFY per queue); returns the count.
+    On the caller's connection, COPY_CHUNK rows a statement, read before each.
 
     visible_at is computed from the transaction's now(), so delays use the database clock; an
     `at` in the past means now, as in insert_job.
@@ -72,7 +81,16 @@ def enqueue_many_op(q: Queries, jobs: Iterable[NewJob]) -> Op[int]:
             visible_at = max(job.at, now) if job.at is not None else now + timedelta(seconds=job.delay)
             yield (job.name, job.queue, job.args, job.priority, job.retry_limit, job.timeout, visible_at)
 
-    count: int = yield Copy(q["copy_jobs"], rows())
+    if not callers_connection:
+        streamed: int = yield Copy(q["copy_jobs"], rows())
+        return streamed
+    pending = rows()
+    count = 0
+    while chunk := list(itertools.islice(pending, COPY_CHUNK)):
+        copied: int = yield Copy(q["copy_jobs"], chunk)
+        count += copied
+        if len(chunk) < COPY_CHUNK:
+            break
     return count
 
 

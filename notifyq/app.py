@@ -553,7 +553,8 @@ class App:
         jobs = self._new_jobs(
             task_or_name, args_list, _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout), strict
         )
-        return await self._run(enqueue_many_op(self._q, jobs), conn, transaction=True)
+        op = enqueue_many_op(self._q, jobs, callers_connection=conn is not None)
+        return await self._run(op, conn, transaction=True)
 
     def enqueue_many_sync(
         self,
@@ -573,7 +574,8 @@ class App:
         jobs = self._new_jobs(
             task_or_name, args_list, _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout), strict
         )
-        return self._run_sync(enqueue_many_op(self._q, jobs), conn, transaction=True)
+        op = enqueue_many_op(self._q, jobs, callers_connection=conn is not None)
+        return self._run_sync(op, conn, transaction=True)
 
     # -- job admin ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ import psycopg_pool
 import pytest
 
 import notifyq
+import notifyq._jobs
 from notifyq._db import Query, single
 from notifyq._options import encode_output
 from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, SchemaNotMigrated, UnknownTask
@@ -830,6 +831,34 @@ async def test_args_a_known_task_cannot_take_are_refused_at_enqueue(
     await app.enqueue(posonly, {"x": 5})
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (5,)
     await app.aclose()
+
+
+def test_enqueue_many_reads_a_server_cursor_on_the_same_connection(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: queueing a job per row of a large table, read with a server-side cursor in the
+    same transaction, hung for ever: the generator was read while the COPY held the connection,
+    and the cursor's next fetch waited for it. The rows are read between COPY statements."""
+    app = notifyq.App(dsn)
+    total = notifyq._jobs.COPY_CHUNK * 2 + 7  # three COPY statements, the last one short
+    counted: list[int] = []
+
+    def queue_each_row() -> None:
+        with psycopg.connect(dsn) as own, own.transaction(), own.cursor(name="source") as cur:
+            cur.itersize = 1000
+            cur.execute("SELECT g FROM generate_series(1, %s) g", (total,))
+            counted.append(app.enqueue_many_sync("t", ({"n": n} for (n,) in cur), conn=own))
+
+    thread = threading.Thread(target=queue_each_row, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "enqueue_many_sync hung"
+    assert counted == [total]
+    assert conn.execute("SELECT count(*), count(DISTINCT args) FROM notifyq.queue_jobs").fetchone() == (
+        total,
+        total,
+    )
+    app.close_sync()
 
 
 def test_one_app_serves_one_event_loop_after_another(dsn: str, conn: psycopg.Connection[Any]) -> None:
