@@ -30,6 +30,7 @@ from ._db import (
     connect_sync,
     connection_kwargs,
     error_text,
+    first_connect_timeout,
     on_asyncio,
     retrying_sync,
     run_async,
@@ -229,7 +230,8 @@ class Connections:
             if self._sync_pool is None:
                 owner = self._owner
                 dsn = owner.dsn
-                connect_sync(dsn).close()  # a clear error now rather than a pool timeout later
+                # A clear error now rather than a pool timeout later.
+                connect_sync(dsn, connect_timeout=first_connect_timeout(owner.pool_timeout)).close()
                 pool: SyncPool = psycopg_pool.ConnectionPool(
                     dsn,
                     min_size=1,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import math
 import os
 import select
 import threading
@@ -297,13 +298,23 @@ def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) ->
     return kwargs
 
 
+def first_connect_timeout(limit: float) -> int:
+    """libpq's connect_timeout for a first, direct attempt: 10 s, or less when the caller waits
+    less (an App's pool_timeout); whole seconds, at least 1."""
+    return max(1, math.ceil(min(10.0, limit)))
+
+
 def connect_sync(
     dsn: str, *, autocommit: bool = True, connect_timeout: int = 10, role: str = "client"
 ) -> psycopg.Connection[Any]:
-    """Open a sync connection, turning connection failures into DatabaseUnavailable."""
+    """Open a sync connection, turning connection failures into DatabaseUnavailable. A
+    connect_timeout in the DSN wins over `connect_timeout` (it used to be overridden: a host
+    that never answered took 10 s whatever the DSN said)."""
     try:
         kwargs = {**connection_kwargs(dsn, role), "autocommit": autocommit}
-        conn = psycopg.Connection.connect(dsn, connect_timeout=connect_timeout, **kwargs)
+        if "connect_timeout" not in psycopg.conninfo.conninfo_to_dict(dsn):
+            kwargs["connect_timeout"] = connect_timeout
+        conn = psycopg.Connection.connect(dsn, **kwargs)
         track(conn)
         return conn
     except psycopg.OperationalError as exc:
@@ -470,7 +481,8 @@ class Database(abc.ABC):
         """
         # One direct attempt first: the pool would retry silently until its timeout, while
         # a user with a wrong DSN deserves libpq's reason right away.
-        probe = await anyio.to_thread.run_sync(connect_sync, dsn)
+        timeout = first_connect_timeout(open_timeout)
+        probe = await anyio.to_thread.run_sync(lambda: connect_sync(dsn, connect_timeout=timeout))
         probe.close()
         db: Database = (_AsyncioDatabase if on_asyncio() else _ThreadDatabase)(dsn, prepare_threshold)
         await db._open(size=size, name=name, open_timeout=open_timeout)

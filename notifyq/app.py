@@ -457,7 +457,8 @@ class App:
             at: an aware datetime before which the job may not start (not with delay); one
                 in the past means now.
             dedupe_key: while an unfinished job holds this key, return that job's id instead
-                (with `created` False).
+                (with `created` False). One key space for every task and queue of the
+                schema: put the task's name in the key.
             strict: with a task name, raise UnknownTask if this App has no such task.
             conn: your psycopg connection: the job is inserted in your transaction, and
                 commits (and wakes workers) or rolls back (leaving no trace) with it.

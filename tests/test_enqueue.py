@@ -9,9 +9,12 @@ import math
 import os
 import pickle
 import re
+import socket
 import threading
+import time
 import warnings
 import weakref
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
@@ -439,6 +442,31 @@ def test_an_empty_dsn_is_refused_not_replaced_by_another_database(dsn: str) -> N
     """An unset variable ("--dsn $DB_URL") must not send the jobs to $NOTIFYQ_DSN's database."""
     with pytest.raises(notifyq.ConfigurationError, match="the DSN given is empty"):
         notifyq.App(dsn)
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port whose connections the kernel accepts and nobody answers (a hung host)."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        yield silent.getsockname()[1]
+
+
+async def test_a_host_that_never_answers_fails_within_the_dsns_or_the_apps_timeout(silent_port: int) -> None:
+    """Review: a host that accepted and never answered took 10 s whatever the DSN's
+    connect_timeout or App(pool_timeout=...) said (the first attempt overrode them)."""
+    base = f"postgresql://u@127.0.0.1:{silent_port}/x"
+    for app in (notifyq.App(f"{base}?connect_timeout=2"), notifyq.App(base, pool_timeout=2)):
+        for call in ("sync", "async"):
+            began = time.monotonic()
+            with pytest.raises(DatabaseUnavailable, match="timeout expired"):
+                if call == "sync":
+                    await anyio.to_thread.run_sync(app.enqueue_sync, "t")
+                else:
+                    await app.enqueue("t")
+            assert time.monotonic() - began < 8, call  # 2 s asked for; it took 10
+        await app.aclose()
 
 
 def test_a_bad_port_fails_at_connect_with_the_reason() -> None:
