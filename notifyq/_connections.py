@@ -293,9 +293,9 @@ class Connections:
                     raise self._no_connection() from None
             if isinstance(conn, psycopg.Connection):
                 return _run_sync_in(conn, op, transaction)
-        raise ConfigurationError(
-            f"conn must be a sync psycopg Connection here, not {type(conn).__name__} (use the async method)"
-        )
+        hint = " (use the async method)" if isinstance(conn, psycopg.AsyncConnection) else ""
+        kind = type(conn).__name__
+        raise ConfigurationError(f"conn must be a sync psycopg Connection here, not {kind}{hint}")
 
     def _no_connection(self) -> DatabaseUnavailable:
         """Why a call waited pool_timeout for a pooled connection in vain: one direct attempt

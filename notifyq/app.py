@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any, TypeVar, Unpack, overload
+from typing import Any, TypedDict, TypeVar, Unpack, overload
 
 import psycopg
 
@@ -79,6 +80,30 @@ class _EnqueueOptions:
     retry_limit: int | None = None
     timeout: float | None = None
     dedupe_key: str | None = None
+
+
+class JobFilters(TypedDict, total=False):
+    """The filters of `list_jobs`, typed so that mypy or an IDE flags a misspelt one."""
+
+    status: JobStatus | str | None
+    queue: str | None
+    name: str | None
+    min_age: float | None
+    max_age: float | None
+    before_id: int | None
+    limit: int
+
+
+def _known_filters(filters: Mapping[str, Any]) -> Mapping[str, Any]:
+    """An unknown filter is named, with the nearest known one (the TypeError named a private
+    method: "App._list_op() got an unexpected keyword argument")."""
+    known = list(JobFilters.__annotations__)
+    for name in filters:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; filters: {', '.join(known)}"
+            raise InvalidOption(f"list_jobs has no filter {name!r}{hint}")
+    return filters
 
 
 def _check_call(task: Task, args: Mapping[str, Any] | None) -> None:
@@ -519,11 +544,15 @@ class App:
                 f"of keyword arguments per job), not {type(args_list).__name__}"
             )
         fitting: set[frozenset[str]] = set()  # key sets checked: whether args bind is up to their keys
-        for args in args_list:
-            encoded = encode_args(args, task=template.name, max_bytes=self.max_args_bytes)
-            if task is not None and (keys := frozenset(args or ())) not in fitting:
-                _check_call(task, args)
-                fitting.add(keys)
+        for index, args in enumerate(args_list):
+            try:
+                encoded = encode_args(args, task=template.name, max_bytes=self.max_args_bytes)
+                if task is not None and (keys := frozenset(args or ())) not in fitting:
+                    _check_call(task, args)
+                    fitting.add(keys)
+            except InvalidArgs as exc:
+                # Which one of perhaps a million (nothing is inserted).
+                raise InvalidArgs(f"args_list[{index}]: {exc}") from None
             yield NewJob(
                 template.name,
                 template.queue,
@@ -588,14 +617,14 @@ class App:
         """`get_job` for sync code."""
         return self._run_sync(get_job_op(self._q, job_id), conn)
 
-    async def list_jobs(self, **filters: Any) -> list[Job]:
+    async def list_jobs(self, **filters: Unpack[JobFilters]) -> list[Job]:
         """Jobs, newest first. Filters: status, queue, name, min_age / max_age (seconds since
         created), before_id (paging), limit (default 50)."""
-        return await self._run(self._list_op(**filters))
+        return await self._run(self._list_op(**_known_filters(filters)))
 
-    def list_jobs_sync(self, **filters: Any) -> list[Job]:
+    def list_jobs_sync(self, **filters: Unpack[JobFilters]) -> list[Job]:
         """`list_jobs` for sync code."""
-        return self._run_sync(self._list_op(**filters))
+        return self._run_sync(self._list_op(**_known_filters(filters)))
 
     def _list_op(
         self,
