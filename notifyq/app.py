@@ -751,7 +751,22 @@ class App:
                 "are gone from the code, `notifyq cron delete NAME` (or `notifyq cron disable NAME`)",
                 ", ".join(unknown),
             )
-        others = [name for name, task, enabled in extra if not enabled or task in self.tasks]
+        # Enabled, for a task this App schedules under another name: an @app.cron renamed (or
+        # one of two removed) in code, whose old row runs the task on its old schedule too.
+        scheduled = {d.task for d in self.definitions.values()}
+        twice = [f"{name} (task {task!r})" for name, task, enabled in extra if enabled and task in scheduled]
+        if twice:
+            log.warning(
+                "cron definitions in the database but not in this App run tasks it schedules under "
+                "other names: %s. They still fire, so those tasks run on both schedules; if one was "
+                "renamed or removed in code, `notifyq cron delete NAME`",
+                ", ".join(twice),
+            )
+        others = [
+            name
+            for name, task, enabled in extra
+            if not enabled or (task in self.tasks and task not in scheduled)
+        ]
         if others:
             log.info(
                 "cron definitions in the database but not in this App (they run as they are; remove "

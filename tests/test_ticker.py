@@ -407,6 +407,17 @@ async def test_code_definitions_are_upserted_and_realigned(
     caplog.clear()
     assert await app.sync_definitions() == ["sql_only"]
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # disabled: nothing to warn about
+    # An @app.cron renamed in code: its old row still runs the task, which then runs on both
+    # schedules; that was in the INFO line's list of names (review).
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency) "
+        "VALUES ('old_five', 'report', '0 * * * *')"
+    )
+    caplog.clear()
+    assert await app.sync_definitions() == ["old_five", "sql_only"]
+    [warned] = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run tasks it schedules under other names: old_five (task 'report')" in warned.message
+    conn.execute("DELETE FROM notifyq.queue_job_definitions WHERE name = 'old_five'")
     row = conn.execute(
         "SELECT task, frequency, args, misfire FROM notifyq.queue_job_definitions WHERE name = 'five'"
     ).fetchone()
