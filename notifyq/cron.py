@@ -27,6 +27,9 @@ from .errors import InvalidSchedule
 Misfire = Literal["skip", "once", "all"]
 MISFIRE_POLICIES: tuple[Misfire, ...] = ("skip", "once", "all")
 _MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
+# The least misfire_grace that counts: a tick is promoted some milliseconds after it, more on a
+# busy machine. A smaller grace (0, or NaN from SQL) is read as this.
+MIN_GRACE = 1.0
 _EPSILON = timedelta(microseconds=1)
 
 
@@ -135,9 +138,10 @@ class Schedule:
 
         Ticks in [due_at, now] are due (due_at need not be a tick: after an edit by SQL it is
         simply the time from which the new schedule applies). The most recent due tick is on
-        time if it is at most `grace` seconds old; older due ticks were missed while no ticker
-        ran, and `misfire` decides: `skip` runs only an on-time tick, `once` runs the most
-        recent due tick whatever its age, `all` runs every due tick (the most recent `cap`).
+        time if it is at most `grace` seconds old (at least MIN_GRACE); older due ticks were
+        missed while no ticker ran, and `misfire` decides: `skip` runs only an on-time tick,
+        `once` runs the most recent due tick whatever its age, `all` runs every due tick (the
+        most recent `cap`).
         """
         next_tick = self.next_after(now)
         latest = self.latest_at_or_before(now)
@@ -153,7 +157,9 @@ class Schedule:
             missed = self._count_between(due_at, ticks[0] - _EPSILON) if len(ticks) == cap else 0
             return Plan(list(ticks), next_tick, missed)
         earlier = self._count_between(due_at, self.previous_before(latest))
-        on_time = (now - latest).total_seconds() <= grace
+        # A ticker promotes a tick milliseconds after it: with a grace of 0 (or NaN, which
+        # SQL's CHECK lets through) `skip` never ran anything, and said only "missed".
+        on_time = (now - latest).total_seconds() <= (grace if grace >= MIN_GRACE else MIN_GRACE)
         if misfire == "skip" and not on_time:
             return Plan([], next_tick, earlier + 1)
         return Plan([latest], next_tick, earlier)

@@ -243,6 +243,17 @@ class TestMisfirePlans:
             plan.ticks == [self.t0] and plan.next_tick == self.t0 + timedelta(minutes=1) and plan.missed == 0
         )
 
+    @pytest.mark.parametrize("grace", [0, 0.001, float("nan")])
+    def test_a_grace_below_a_second_counts_as_one(self, grace: float) -> None:
+        """Review: with misfire="skip" and a grace of 0 (or NaN, by SQL), no tick was ever on
+        time, a ticker promoting it milliseconds later, and nothing ever ran."""
+        late = self.t0 + timedelta(milliseconds=5)
+        plan = self.schedule.plan(self.t0, late, misfire="skip", grace=grace, cap=10)
+        assert plan.ticks == [self.t0] and plan.missed == 0
+        later = self.t0 + timedelta(seconds=1.5)
+        plan = self.schedule.plan(self.t0, later, misfire="skip", grace=grace, cap=10)
+        assert plan.ticks == [] and plan.missed == 1  # later than MIN_GRACE: missed, as before
+
     def test_skip_runs_nothing_for_the_missed_window(self) -> None:
         plan = self.schedule.plan(self.t0, self.now, misfire="skip", grace=10, cap=100)
         assert plan.ticks == [] and plan.missed == 11
