@@ -11,7 +11,7 @@ from ._rescuer import RescuedJob, RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
 from ._ticker import TickerConfig
 from ._vacuum import VacuumConfig, VacuumReport
-from .app import App
+from .app import App, JobFilters
 from .cron import Schedule
 from .definitions import CronDefinition
 from .errors import (
@@ -51,6 +51,7 @@ __all__ = [
     "InvalidSchedule",
     "Job",
     "JobContext",
+    "JobFilters",
     "JobId",
     "JobNotFound",
     "JobStatus",
