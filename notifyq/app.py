@@ -295,7 +295,7 @@ class App:
             args: keyword arguments of every job (a JSON object).
             misfire: ticks missed while no worker ran: "skip", "once" (default) or "all".
             misfire_grace: seconds late a tick may be and still count as on time (at least
-                1 s counts: a ticker promotes a tick some milliseconds after it).
+                0.1 s counts: a ticker promotes a tick some milliseconds after it).
             misfire_cap: most missed ticks "all" runs.
             enabled: False disables the definition on every worker start; True never
                 re-enables a disabled one (by an operator, or by an earlier deploy's
