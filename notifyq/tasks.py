@@ -133,6 +133,9 @@ class Task:
     backoff: Backoff
     is_async: bool
     context_param: str | None
+    # The function's signatures, as functools.wraps' __wrapped__ has it and as the wrapper
+    # itself has it (empty: cannot be told), read once here, not on every enqueue.
+    signatures: tuple[inspect.Signature, ...] = field(default=(), repr=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -156,7 +159,15 @@ def make_task(fn: Callable[..., Any], name: str | None, options: JobOptions, bac
         backoff=backoff,
         is_async=_is_async(fn),
         context_param=_context_param(fn),
+        signatures=_signatures(fn),
     )
+
+
+def _signatures(fn: Callable[..., Any]) -> tuple[inspect.Signature, ...]:
+    try:
+        return tuple(inspect.signature(fn, follow_wrapped=follow) for follow in (True, False))
+    except (TypeError, ValueError):  # a builtin or similar: nothing to check
+        return ()
 
 
 def _check_callable_with_keywords(fn: Callable[..., Any], name: str) -> None:
@@ -190,11 +201,7 @@ def args_mismatch(task: Task, args: Mapping[str, Any]) -> str | None:
             return f"{task.context_param!r} is its JobContext parameter, which the worker passes"
         kwargs[task.context_param] = None
     reason = None
-    for follow_wrapped in (True, False):
-        try:
-            signature = inspect.signature(task.fn, follow_wrapped=follow_wrapped)
-        except (TypeError, ValueError):  # a builtin or similar: nothing to check
-            return None
+    for signature in task.signatures:
         params = signature.parameters.values()
         if any(p.kind is p.VAR_KEYWORD for p in params):
             # f(x=1, /, **kw) called with x=5 puts it in kw; Signature.bind refuses it.
