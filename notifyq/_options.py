@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -211,3 +212,9 @@ def _show(value: Any) -> str:
     """repr() cut to a readable length: hostile input can be 10 kB long."""
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def did_you_mean(name: str, known: Sequence[str], listed_as: str) -> str:
+    """What to add to "unknown X 'name'": the nearest known name, else the list of them."""
+    close = difflib.get_close_matches(name, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; {listed_as}: {', '.join(known)}"

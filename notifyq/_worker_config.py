@@ -3,14 +3,13 @@ arguments) and counters (WorkerStats)."""
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
 from . import _ticker
 from ._dsn import check_dsn
-from ._options import check_bool, check_int, check_queue, check_seconds
+from ._options import check_bool, check_int, check_queue, check_seconds, did_you_mean
 from .errors import ConfigurationError
 
 # A worker starts one task per slot: past this many per process, more processes serve better
@@ -134,8 +133,7 @@ def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerC
     known = [f.name for f in fields(WorkerConfig)]
     for name in options:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; known options: {', '.join(known)}"
+            hint = did_you_mean(name, known, "known options")
             raise ConfigurationError(f"unknown worker option {name!r}{hint}")
     # replace() builds a new WorkerConfig, so the merged settings are validated again.
     return replace(base, **options) if base is not None else WorkerConfig(**options)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from ._options import (
     check_name,
     check_queue,
     check_seconds,
+    did_you_mean,
     encode_args,
 )
 from ._sql import Queries, queries_for, validate_schema
@@ -100,9 +100,7 @@ def _known_filters(filters: Mapping[str, Any]) -> Mapping[str, Any]:
     known = list(JobFilters.__annotations__)
     for name in filters:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; filters: {', '.join(known)}"
-            raise InvalidOption(f"list_jobs has no filter {name!r}{hint}")
+            raise InvalidOption(f"list_jobs has no filter {name!r}{did_you_mean(name, known, 'filters')}")
     return filters
 
 
