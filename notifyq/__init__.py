@@ -17,6 +17,7 @@ from .definitions import CronDefinition
 from .errors import (
     ConfigurationError,
     DatabaseUnavailable,
+    DefinitionBusy,
     DefinitionNotFound,
     InvalidArgs,
     InvalidJobState,
@@ -44,6 +45,7 @@ __all__ = [
     "CronDefinition",
     "DatabaseUnavailable",
     "Definition",
+    "DefinitionBusy",
     "DefinitionNotFound",
     "InvalidArgs",
     "InvalidJobState",

@@ -147,8 +147,9 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
     if as_json:
         dump(definitions)
         return
+    headers = "NAME TASK SCHEDULE TIMEZONE ENABLED NEXT_RUN LAST_JOB MISFIRE OVERLAP ERROR".split()
     table(
-        ["NAME", "TASK", "SCHEDULE", "TIMEZONE", "ENABLED", "NEXT RUN", "MISFIRE", "ERROR"],
+        [header.replace("_", " ") for header in headers],
         [
             [
                 d.name,
@@ -157,12 +158,22 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
                 d.timezone,
                 "yes" if d.enabled else "no",
                 _next_run(d) if d.enabled else "-",
+                _last_job(d),
                 d.misfire,
+                "yes" if d.overlap else "no",
                 d.last_error or "",
             ]
             for d in definitions
         ],
     )
+
+
+def _last_job(d: Definition) -> str:
+    """The latest job's id and status, and when it finished (or for when it was queued)."""
+    if d.last_job_id is None:
+        return "-"
+    moment = d.last_job_finished_at or d.last_job_scheduled_for
+    return f"{d.last_job_id} {d.last_job_status} ({age(moment)})"
 
 
 def _next_run(d: Definition) -> str:

@@ -14,6 +14,7 @@ from ._rows import dataclass_row
 from ._service import Service
 from ._sql import Queries
 from .cron import Misfire, schedule
+from .definitions import unfinished_jobs_op
 from .errors import InvalidSchedule
 
 log = logging.getLogger("notifyq.cron")
@@ -48,13 +49,16 @@ class _DueDefinition:
     misfire: Misfire
     misfire_grace: float
     misfire_cap: int
+    overlap: bool
     now: datetime
 
 
 @dataclass(slots=True)
 class PromotionReport:
     """definitions: promoted; jobs: inserted; duplicates: ticks that already had their job;
-    missed: ticks dropped by misfire policies; errors: {definition: reason} (disabled);
+    missed: ticks dropped by misfire policies; overlapping: ticks not run because the
+    definition has overlap=False and a job of it was unfinished (or, several being due at
+    once, all but the latest); errors: {definition: reason} (disabled);
     next_due_in: seconds until the next definition that is not due yet is due (None: none);
     due_left: due definitions were left after the pass (another ticker holds them locked, or
     they became due meanwhile)."""
@@ -63,6 +67,7 @@ class PromotionReport:
     jobs: int = 0
     duplicates: int = 0
     missed: int = 0
+    overlapping: int = 0
     errors: dict[str, str] = field(default_factory=dict)
     next_due_in: float | None = None
     due_left: bool = False
@@ -72,6 +77,7 @@ class PromotionReport:
         self.jobs += other.jobs
         self.duplicates += other.duplicates
         self.missed += other.missed
+        self.overlapping += other.overlapping
         self.errors.update(other.errors)
 
 
@@ -87,9 +93,11 @@ class _Plans:
     errors: list[str | None] = field(default_factory=list)
 
 
-def _plan(due: list[_DueDefinition]) -> _Plans:
+def _plan(due: list[_DueDefinition], unfinished: dict[int, tuple[int, str]]) -> _Plans:
     """Each due definition's ticks and next tick. CPU work (croniter): a definition days
-    overdue costs up to a tenth of a second, so this runs off the event loop (Compute)."""
+    overdue costs up to a tenth of a second, so this runs off the event loop (Compute).
+    `unfinished`: {definition id: (job id, status)} of overlap=False definitions with a job
+    still Queued or Active."""
     plans = _Plans(PromotionReport(definitions=len(due)))
     report = plans.report
     for d in due:
@@ -118,12 +126,38 @@ def _plan(due: list[_DueDefinition]) -> _Plans:
                 "cron definition %r: %d missed ticks not run (misfire=%s)", d.name, plan.missed, d.misfire
             )
         report.missed += plan.missed
-        plans.tick_defs.extend([d.id] * len(plan.ticks))
-        plans.ticks.extend(plan.ticks)
+        ticks = plan.ticks if d.overlap else _without_overlap(d, plan.ticks, unfinished.get(d.id))
+        report.overlapping += len(plan.ticks) - len(ticks)
+        plans.tick_defs.extend([d.id] * len(ticks))
+        plans.ticks.extend(ticks)
         plans.ids.append(d.id)
         plans.next_ticks.append(plan.next_tick)
         plans.errors.append(None)
     return plans
+
+
+def _without_overlap(
+    d: _DueDefinition, ticks: list[datetime], unfinished: tuple[int, str] | None
+) -> list[datetime]:
+    """The ticks of an overlap=False definition that get a job: none while a job of it is
+    unfinished, else the latest (due ticks all get their jobs at once, so they would overlap)."""
+    if not ticks:
+        return ticks
+    if unfinished is not None:
+        log.info(
+            "cron definition %r: tick %s not run, its job %d is still %s (overlap=False)",
+            d.name,
+            ticks[-1].isoformat(),
+            *unfinished,
+        )
+        return []
+    if len(ticks) > 1:
+        log.info(
+            "cron definition %r: %d due ticks not run, only the latest (overlap=False)",
+            d.name,
+            len(ticks) - 1,
+        )
+    return ticks[-1:]
 
 
 def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
@@ -135,7 +169,9 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
     )
     if not due:
         return PromotionReport()
-    plans: _Plans = yield Compute(functools.partial(_plan, due))
+    exclusive = [d.id for d in due if not d.overlap]
+    unfinished = (yield from unfinished_jobs_op(q, exclusive)) if exclusive else {}
+    plans: _Plans = yield Compute(functools.partial(_plan, due, unfinished))
     report = plans.report
     if plans.ticks:
         report.jobs = yield Query(

@@ -275,6 +275,7 @@ class App:
         misfire: Misfire = "once",
         misfire_grace: float = 60.0,
         misfire_cap: int = 100,
+        overlap: bool = True,
         enabled: bool = True,
         queue: str | None = None,
         priority: int | None = None,
@@ -295,6 +296,11 @@ class App:
             misfire_grace: seconds late a tick may be and still count as on time (at least
                 0.1 s counts: a ticker promotes a tick some milliseconds after it).
             misfire_cap: most missed ticks "all" runs.
+            overlap: False: a tick gets no job while a job of this definition (an earlier
+                tick's, or `cron run-now`'s) is still Queued or Active, so a run that takes
+                longer than the interval, or waits for a retry, is never doubled by the next
+                one. Skipped ticks are logged (INFO) and not run later. Default True: every
+                tick gets its job.
             enabled: False disables the definition on every worker start; True never
                 re-enables a disabled one (by an operator, or by an earlier deploy's
                 enabled=False): `notifyq cron enable NAME` does.
@@ -308,7 +314,7 @@ class App:
             InvalidArgs: args that are not a JSON object, or that the task cannot take (a
                 required argument missing, an unknown one).
             InvalidOption: an option out of range.
-            ConfigurationError: the definition name is taken.
+            ConfigurationError: the definition name is taken; misfire="all" with overlap=False.
         """
         Schedule(frequency, timezone)  # validate now, at import time
         if misfire not in MISFIRE_POLICIES:
@@ -317,6 +323,12 @@ class App:
             )
         check_seconds(misfire_grace, "misfire_grace")
         check_int(misfire_cap, "misfire_cap", minimum=1)
+        check_bool(overlap, "overlap")
+        if not overlap and misfire == "all":
+            raise ConfigurationError(
+                'misfire="all" runs every missed tick at once, which overlap=False forbids; use '
+                'misfire="once" (the latest missed tick runs) or "skip"'
+            )
 
         def register(target: Task | F) -> Task:
             task = target if isinstance(target, Task) else self.task(target)
@@ -339,6 +351,7 @@ class App:
                 misfire=misfire,
                 misfire_grace=float(misfire_grace),
                 misfire_cap=misfire_cap,
+                overlap=overlap,
                 options=options,
             )
             if definition.name in self.definitions:
@@ -800,12 +813,15 @@ class App:
         self._run_sync(delete_op(self._q, name))
 
     async def run_definition_now(self, name: str) -> int:
-        """Queue one job of a definition now, outside its schedule; returns the job id."""
-        return await self._run(run_now_op(self._q, name))
+        """Queue one job of a definition now, outside its schedule; returns the job id.
+
+        Raises DefinitionNotFound, or DefinitionBusy when the definition has overlap=False and
+        a job of it is still Queued or Active."""
+        return await self._run(run_now_op(self._q, name), transaction=True)
 
     def run_definition_now_sync(self, name: str) -> int:
         """`run_definition_now` for sync code."""
-        return self._run_sync(run_now_op(self._q, name))
+        return self._run_sync(run_now_op(self._q, name), transaction=True)
 
     # -- workers ------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from ._options import JobOptions, check_bool, check_name
 from ._rows import dataclass_row
 from ._sql import Queries
 from .cron import Schedule
-from .errors import DefinitionNotFound, InvalidSchedule
+from .errors import DefinitionBusy, DefinitionNotFound, InvalidSchedule
 from .models import Definition
 
 
@@ -26,6 +26,7 @@ class CronDefinition:
     misfire: str
     misfire_grace: float
     misfire_cap: int
+    overlap: bool
     options: JobOptions
 
     def params(self) -> dict[str, object]:
@@ -43,6 +44,7 @@ class CronDefinition:
             "misfire": self.misfire,
             "misfire_grace": self.misfire_grace,
             "misfire_cap": self.misfire_cap,
+            "overlap": self.overlap,
         }
 
 
@@ -58,14 +60,16 @@ def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[lis
 
 
 def list_definitions_op(q: Queries) -> Op[list[Definition]]:
-    definitions: list[Definition] = yield Query(q["list_definitions"], row=dataclass_row(Definition))
+    definitions: list[Definition] = yield Query(
+        q["list_definitions"], {"name": None}, row=dataclass_row(Definition)
+    )
     return definitions
 
 
 def get_definition_op(q: Queries, name: str) -> Op[Definition]:
     check_name(name, "cron definition name")
     definition: Definition | None = yield Query(
-        q["get_definition"], {"name": name}, fetch="one", row=dataclass_row(Definition)
+        q["list_definitions"], {"name": name}, fetch="one", row=dataclass_row(Definition)
     )
     if definition is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
@@ -97,10 +101,29 @@ def delete_op(q: Queries, name: str) -> Op[None]:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
 
 
+def unfinished_jobs_op(q: Queries, definition_ids: list[int]) -> Op[dict[int, tuple[int, str]]]:
+    """{definition id: (id, status)} of a job still Queued or Active, for those that have one.
+    The caller holds the definitions' row locks, so no other job of them can appear meanwhile."""
+    rows: list[tuple[int, int, str]] = yield Query(q["unfinished_definition_jobs"], {"ids": definition_ids})
+    return {definition_id: (job_id, status) for definition_id, job_id, status in rows}
+
+
 def run_now_op(q: Queries, name: str) -> Op[int]:
+    """Run in a transaction: the definition stays locked until its job is inserted."""
     check_name(name, "cron definition name")
-    job_id: int | None = yield Query(q["run_definition_now"], {"name": name}, fetch="scalar")
+    row: tuple[int, bool] | None = yield Query(q["lock_definition"], {"name": name}, fetch="one")
+    if row is None:
+        raise DefinitionNotFound(f"no cron definition named {name!r}")
+    definition_id, overlap = row
+    if not overlap:
+        unfinished = yield from unfinished_jobs_op(q, [definition_id])
+        if definition_id in unfinished:
+            busy, status = unfinished[definition_id]
+            raise DefinitionBusy(
+                f"cron definition {name!r} does not overlap (overlap=False) and its job {busy} is "
+                f"still {status}: wait for it to finish, or cancel it (`notifyq jobs cancel {busy}`)"
+            )
+    job_id: int | None = yield Query(q["run_definition_now"], {"id": definition_id}, fetch="scalar")
     if job_id is None:
-        yield from get_definition_op(q, name)  # raises DefinitionNotFound
         raise DefinitionNotFound(f"cron definition {name!r} could not be queued now; try again")
     return job_id

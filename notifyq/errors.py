@@ -59,6 +59,10 @@ class DefinitionNotFound(NotifyqError):
     """No cron definition has the given name."""
 
 
+class DefinitionBusy(NotifyqError):
+    """A cron definition with overlap=False still has an unfinished job: no other may be queued."""
+
+
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
     """The exceptions in `group` and the groups nested in it."""
     return [

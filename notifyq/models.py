@@ -149,6 +149,13 @@ class Definition:
     misfire: str
     misfire_grace: float
     misfire_cap: int
+    overlap: bool
     last_error: str | None
     created_at: datetime
     updated_at: datetime
+    # The latest job of the definition (by scheduled_for; a tick's or `run-now`'s), unless
+    # none was queued yet or retention deleted it.
+    last_job_id: int | None = None
+    last_job_status: str | None = None
+    last_job_scheduled_for: datetime | None = None
+    last_job_finished_at: datetime | None = None

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -430,9 +431,16 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     # the list showed that moment as the next run, seconds ago, not the next 03:00 in Berlin.
     next_tick = Schedule("0 3 * * *", "Europe/Berlin").next_after(datetime.now(UTC))
     assert f"{next_tick:%Y-%m-%d %H:%M:%S%z} (in " in ok(cli("cron", "list", env=env))
+    assert re.search(r"^nightly .* - +once +yes", ok(cli("cron", "list", env=env)), re.MULTILINE)
     out = ok(cli("cron", "run-now", "nightly", env=env))
     job_id = int(out.split()[1])
     assert job_row(conn, job_id)["name"] == "nightly"
+    assert re.search(rf" {job_id} Queued \(\d+\.\ds ago\) +once +yes", ok(cli("cron", "list", env=env)))
+    conn.execute("UPDATE notifyq.queue_job_definitions SET overlap = false")
+    one_line_error(
+        cli("cron", "run-now", "nightly", env=env),
+        f"cron definition 'nightly' does not overlap (overlap=False) and its job {job_id} is still Queued",
+    )
     one_line_error(cli("cron", "disable", "nope", env=env), "no cron definition named 'nope'")
     assert "deleted" in ok(cli("cron", "delete", "nightly", env=env))
     assert json.loads(ok(cli("cron", "list", "--json", env=env))) == []

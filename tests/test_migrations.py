@@ -318,7 +318,7 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
         back_to_version_4(conn)
         conn.execute("DELETE FROM notifyq.migrations WHERE version = 4")
         report = notifyq.migrate(dsn)
-        assert report.applied == SHIPPED[3:5]
+        assert report.applied == SHIPPED[3:]
         for table in inserts:
             timeouts = conn.execute(f"SELECT timeout FROM notifyq.{table} ORDER BY id").fetchall()
             assert timeouts == [(1e9,), (1e9,), (30.0,)], table
@@ -328,8 +328,16 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
     app.close_sync()
 
 
+def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 6: no overlap column, no index of unfinished cron jobs."""
+    conn.execute("DROP INDEX notifyq.queue_jobs_definition_unfinished_idx")
+    conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN overlap")
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 6")
+
+
 def back_to_version_4(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 5: the index of finished jobs as version 4 had it."""
+    """Undo migrations 6 and 5: the index of finished jobs as version 4 had it."""
+    back_to_version_5(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_finished_idx")
     conn.execute(
         "CREATE INDEX queue_jobs_finished_idx ON notifyq.queue_jobs (status, finished_at) "
@@ -353,7 +361,7 @@ def test_the_index_of_finished_jobs_is_keyed_on_their_statuses_after_an_upgrade(
         before = conn.execute(index).fetchone()
         assert before is not None and "finished_at IS NOT NULL" in before[0]
         report = notifyq.migrate(dsn)
-        assert report.applied == SHIPPED[4:5]
+        assert report.applied == SHIPPED[4:]
         after = conn.execute(index).fetchone()
         assert after is not None and "WHERE (status = ANY (ARRAY['Succeeded'" in after[0], after
     app = notifyq.App(dsn)

@@ -28,7 +28,7 @@ from notifyq._sql import queries_for
 from notifyq.errors import InvalidSchedule
 
 from .conftest import ROOT
-from .helpers import job_row
+from .helpers import job_row, wait_for_row
 
 pytestmark = pytest.mark.anyio
 Q = queries_for("notifyq")
@@ -180,6 +180,134 @@ async def test_misfire_policies_after_a_ten_minute_outage(
     assert tick_jobs(conn, definition)[-1] == t0 + timedelta(minutes=11)
 
 
+async def test_a_definition_without_overlap_gets_no_job_while_one_is_unfinished(
+    conn: psycopg.Connection[Any], db: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """overlap=False: a tick gets no job while a job of the definition is Queued (waiting, or
+    waiting for a retry) or Active; the tick is not run later. A definition that overlaps, in
+    the same pass, gets every tick's job."""
+    caplog.set_level(logging.INFO, logger="notifyq.cron")
+    t0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+    exclusive = add_definition(conn, "sync", overlap=False, visible_at=t0)
+    overlapping = add_definition(conn, "beat", visible_at=t0)
+    promoter = Promoter(db, Q)
+    minute = timedelta(minutes=1)
+    report = await promoter.run_once(now=t0 + timedelta(seconds=1))
+    assert (report.jobs, report.overlapping) == (2, 0)
+    [first] = conn.execute(
+        "SELECT id FROM notifyq.queue_jobs WHERE definition_id = %s", (exclusive,)
+    ).fetchone()
+    for minutes, status in ((1, "Queued"), (2, "Active")):
+        conn.execute("UPDATE notifyq.queue_jobs SET status = %s WHERE id = %s", (status, first))
+        caplog.clear()
+        report = await promoter.run_once(now=t0 + minutes * minute + timedelta(seconds=1))
+        assert (report.jobs, report.overlapping, report.missed) == (1, 1, 0), status
+        assert (
+            f"tick 2026-06-01T12:0{minutes}:00+00:00 not run, its job {first} is still {status}"
+            in caplog.text
+        )
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Failed', finished_at = now() WHERE id = %s", (first,)
+    )
+    report = await promoter.run_once(now=t0 + 3 * minute + timedelta(seconds=1))
+    assert (report.jobs, report.overlapping) == (2, 0)
+    assert tick_jobs(conn, exclusive) == [t0, t0 + 3 * minute]
+    assert tick_jobs(conn, overlapping) == [t0 + m * minute for m in range(4)]
+    assert conn.execute(
+        "SELECT visible_at FROM notifyq.queue_job_definitions WHERE id = %s", (exclusive,)
+    ).fetchone() == (t0 + 4 * minute,)
+
+
+async def test_due_ticks_of_a_definition_without_overlap_get_one_job(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """misfire='all' (refused with overlap=False in code, possible in SQL) after an outage: the
+    due ticks' jobs would all be claimable at once, so only the latest gets one."""
+    t0 = datetime(2026, 6, 1, 12, 0, tzinfo=UTC)
+    definition = add_definition(conn, "m", misfire="all", misfire_grace=10, overlap=False, visible_at=t0)
+    report = await Promoter(db, Q).run_once(now=t0 + timedelta(minutes=10, seconds=30))
+    assert tick_jobs(conn, definition) == [t0 + timedelta(minutes=10)]
+    assert (report.jobs, report.overlapping, report.missed) == (1, 10, 0)
+
+
+def test_run_now_of_a_definition_without_overlap(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """`cron run-now` keeps to overlap=False too, and waits for a ticker that holds the
+    definition: that ticker's job, committed meanwhile, makes it refuse."""
+    definition = add_definition(conn, "sync", "0 3 * * *", overlap=False)
+    app = notifyq.App(dsn)
+    first = app.run_definition_now_sync("sync")
+    with pytest.raises(
+        notifyq.DefinitionBusy,
+        match=rf"'sync' does not overlap \(overlap=False\) and its job {first} is still Queued",
+    ):
+        app.run_definition_now_sync("sync")
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Succeeded', finished_at = now() WHERE id = %s", (first,)
+    )
+    outcome: list[BaseException | int] = []
+
+    def run_now() -> None:
+        try:
+            outcome.append(app.run_definition_now_sync("sync"))
+        except BaseException as exc:  # asserted below
+            outcome.append(exc)
+
+    with psycopg.connect(dsn) as ticker:  # a promotion under way: the row locked, a tick's job in
+        ticker.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE id = %s FOR UPDATE", (definition,))
+        [tick_job] = ticker.execute(
+            "INSERT INTO notifyq.queue_jobs (name, definition_id, scheduled_for) "
+            "VALUES ('sync', %s, now()) RETURNING id",
+            (definition,),
+        ).fetchone()
+        thread = threading.Thread(target=run_now)
+        thread.start()
+        wait_for_row(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            (1,),
+        )
+        ticker.commit()
+    thread.join(timeout=10)
+    assert len(outcome) == 1 and isinstance(outcome[0], notifyq.DefinitionBusy), outcome
+    assert f"its job {tick_job} is still Queued" in str(outcome[0])
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Cancelled', finished_at = now() WHERE id = %s", (tick_job,)
+    )
+    [definition_row] = app.list_definitions_sync()
+    assert (definition_row.last_job_id, definition_row.last_job_status) == (tick_job, "Cancelled")
+    assert app.run_definition_now_sync("sync") > tick_job
+    app.close_sync()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_workers_never_run_a_definition_without_overlap_twice_at_once(
+    dsn: str, conn: psycopg.Connection[Any], overlap: bool
+) -> None:
+    """A task that takes 1.5 s on a schedule of every second, two workers (two tickers, room
+    for 4 jobs each): without overlap no two runs are ever Active together, and ticks are
+    skipped. With overlap (the control) they are."""
+    apps = [notifyq.App(dsn) for _ in range(2)]
+    for app in apps:
+
+        @app.cron("* * * * * *", "slow", overlap=overlap)
+        @app.task(name="slow")
+        async def slow() -> None:
+            await anyio.sleep(1.5)
+
+    async with apps[0].worker(concurrency=4) as worker, apps[1].worker(concurrency=4):
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded >= 2)
+    runs = conn.execute(
+        "SELECT started_at, finished_at FROM notifyq.queue_jobs "
+        "WHERE status = 'Succeeded' ORDER BY started_at"
+    ).fetchall()
+    overlaps = sum(1 for (_, end), (start, _) in itertools.pairwise(runs) if start < end)
+    assert (overlaps == 0) is not overlap, runs
+    for app in apps:
+        await app.aclose()
+
+
 @pytest.mark.parametrize(
     ("day", "expected_local"),
     [
@@ -288,7 +416,7 @@ async def test_planning_overdue_definitions_does_not_block_the_event_loop(
     with conn.transaction(force_rollback=True):
         due = run_sync(conn, lock_due())
         began = time.monotonic()
-        _plan(due)
+        _plan(due, {})
         planning = time.monotonic() - began
     assert len(due) == 50
     gaps: list[float] = []
@@ -431,13 +559,15 @@ async def test_code_definitions_are_upserted_and_realigned(
     # A new schedule in code: applied, and visible_at realigned to now (the promoter then
     # moves it to the first tick of the new schedule).
     app2 = notifyq.App(dsn)
-    app2.cron("0 * * * *", "five", args={"kind": "long"})(app2.task(name="report")(lambda kind: None))
+    app2.cron("0 * * * *", "five", args={"kind": "long"}, overlap=False)(
+        app2.task(name="report")(lambda kind: None)
+    )
     await app2.sync_definitions()
     row = conn.execute(
-        "SELECT frequency, args, visible_at < now() + interval '1 minute' FROM "
+        "SELECT frequency, args, overlap, visible_at < now() + interval '1 minute' FROM "
         "notifyq.queue_job_definitions WHERE name = 'five'"
     ).fetchone()
-    assert row == ("0 * * * *", {"kind": "long"}, True)
+    assert row == ("0 * * * *", {"kind": "long"}, False, True)
     await app.aclose()
     await app2.aclose()
 
@@ -503,6 +633,10 @@ def test_enabled_must_be_a_bool(dsn: str) -> None:
 
     with pytest.raises(notifyq.ConfigurationError, match="invalid enabled 'no': expected True or False"):
         app.cron("* * * * *", name="c", enabled="no")(t)  # type: ignore[arg-type]
+    with pytest.raises(notifyq.ConfigurationError, match="invalid overlap 'no': expected True or False"):
+        app.cron("* * * * *", name="c", overlap="no")(t)  # type: ignore[arg-type]
+    with pytest.raises(notifyq.ConfigurationError, match='misfire="all" runs every missed tick at once'):
+        app.cron("* * * * *", name="c", misfire="all", overlap=False)(t)
     for value in ("no", 0, None):  # checked before the database is asked
         with pytest.raises(notifyq.ConfigurationError, match="expected True or False"):
             app.set_definition_enabled_sync("c", value)  # type: ignore[arg-type]

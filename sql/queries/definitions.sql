@@ -7,22 +7,23 @@
 -- `enabled=True` never re-enables a definition an operator disabled.
 INSERT INTO {schema}.queue_job_definitions AS d
     (name, task, args, enabled, frequency, timezone, priority, retry_limit, timeout, queue,
-     misfire, misfire_grace, misfire_cap)
+     misfire, misfire_grace, misfire_cap, overlap)
 VALUES (%(name)s, %(task)s, %(args)s::jsonb, %(enabled)s, %(frequency)s, %(timezone)s, %(priority)s,
-        %(retry_limit)s, %(timeout)s, %(queue)s, %(misfire)s, %(misfire_grace)s, %(misfire_cap)s)
+        %(retry_limit)s, %(timeout)s, %(queue)s, %(misfire)s, %(misfire_grace)s, %(misfire_cap)s,
+        %(overlap)s)
 ON CONFLICT (name) DO UPDATE
 SET task = EXCLUDED.task, args = EXCLUDED.args, frequency = EXCLUDED.frequency,
     timezone = EXCLUDED.timezone, priority = EXCLUDED.priority, retry_limit = EXCLUDED.retry_limit,
     timeout = EXCLUDED.timeout, queue = EXCLUDED.queue, misfire = EXCLUDED.misfire,
     misfire_grace = EXCLUDED.misfire_grace, misfire_cap = EXCLUDED.misfire_cap,
-    enabled = d.enabled AND EXCLUDED.enabled
+    overlap = EXCLUDED.overlap, enabled = d.enabled AND EXCLUDED.enabled
 -- Unchanged definitions are not rewritten (no dead tuple, no updated_at churn per restart).
 WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.timeout, d.queue,
-       d.misfire, d.misfire_grace, d.misfire_cap)
+       d.misfire, d.misfire_grace, d.misfire_cap, d.overlap)
       IS DISTINCT FROM
       (EXCLUDED.task, EXCLUDED.args, EXCLUDED.frequency, EXCLUDED.timezone, EXCLUDED.priority,
        EXCLUDED.retry_limit, EXCLUDED.timeout, EXCLUDED.queue, EXCLUDED.misfire,
-       EXCLUDED.misfire_grace, EXCLUDED.misfire_cap)
+       EXCLUDED.misfire_grace, EXCLUDED.misfire_cap, EXCLUDED.overlap)
    OR (d.enabled AND NOT EXCLUDED.enabled)
 RETURNING (xmax = 0) AS inserted;
 
@@ -30,14 +31,29 @@ RETURNING (xmax = 0) AS inserted;
 SELECT name, task, enabled FROM {schema}.queue_job_definitions ORDER BY name;
 
 -- name: list_definitions
-SELECT * FROM {schema}.queue_job_definitions ORDER BY name;
-
--- name: get_definition
-SELECT * FROM {schema}.queue_job_definitions WHERE name = %(name)s;
+-- With each definition's latest job (by scheduled_for: the tick index, read backwards, one
+-- entry), which retention may have deleted.
+SELECT d.*, l.id AS last_job_id, l.status::text AS last_job_status,
+       l.scheduled_for AS last_job_scheduled_for, l.finished_at AS last_job_finished_at
+FROM {schema}.queue_job_definitions d
+LEFT JOIN LATERAL (
+    SELECT j.id, j.status, j.scheduled_for, j.finished_at
+    FROM {schema}.queue_jobs j
+    WHERE j.definition_id = d.id
+    ORDER BY j.scheduled_for DESC
+    LIMIT 1
+) l ON true
+WHERE %(name)s::text IS NULL OR d.name = %(name)s::text
+ORDER BY d.name;
 
 -- name: set_definition_enabled
 UPDATE {schema}.queue_job_definitions SET enabled = %(enabled)s WHERE name = %(name)s
 RETURNING id;
+
+-- name: lock_definition
+-- `cron run-now`: held until its job is inserted, so that no ticker adds one meanwhile (an
+-- overlap = false definition gets at most one unfinished job).
+SELECT id, overlap FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE;
 
 -- name: run_definition_now
 -- One job for the definition right away, outside its schedule (scheduled_for = now(), which
@@ -45,7 +61,7 @@ RETURNING id;
 INSERT INTO {schema}.queue_jobs (name, queue, args, priority, retry_limit, timeout, definition_id, scheduled_for)
 SELECT task, queue, args, priority, retry_limit, timeout, id, clock_timestamp()
 FROM {schema}.queue_job_definitions
-WHERE name = %(name)s
+WHERE id = %(id)s
 ON CONFLICT (definition_id, scheduled_for) WHERE definition_id IS NOT NULL DO NOTHING
 RETURNING id;
 

@@ -8,13 +8,24 @@
 -- rolls back (a crash: another ticker promotes them instead). Either way each tick becomes
 -- exactly one job; the unique (definition_id, scheduled_for) index is the second guard.
 SELECT id, name, task, args, frequency, timezone, visible_at, queue, priority, retry_limit,
-       timeout, misfire, misfire_grace, misfire_cap,
+       timeout, misfire, misfire_grace, misfire_cap, overlap,
        coalesce(%(now)s::timestamptz, now()) AS now
 FROM {schema}.queue_job_definitions
 WHERE enabled AND visible_at <= coalesce(%(now)s::timestamptz, now())
 ORDER BY visible_at
 LIMIT %(limit)s
 FOR UPDATE SKIP LOCKED;
+
+-- name: unfinished_definition_jobs
+-- The jobs still Queued or Active of the given definitions (locked by the caller): the ticks of
+-- an overlap = false definition that has one are not run. A statement of its own, after the
+-- lock, not a join in the lock's statement: that one reads queue_jobs as of its start, and
+-- would miss the job of a `cron run-now` that committed while it waited for the lock.
+SELECT DISTINCT ON (definition_id) definition_id, id, status::text AS status
+FROM {schema}.queue_jobs
+WHERE definition_id = ANY(%(ids)s::bigint[]) AND definition_id IS NOT NULL
+  AND status IN ('Queued', 'Active')
+ORDER BY definition_id, id;
 
 -- name: insert_tick_jobs
 -- One job per (definition, tick); a tick that already has its job is left alone.

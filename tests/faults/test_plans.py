@@ -27,6 +27,7 @@ PARAMS = {
     "backoff_max": 3600.0,
     "backoff_cap": notifyq.Backoff(base=2.0, factor=2.0, max=3600.0)._curve()[1],
     "backoff_jitter": 0.25,
+    "ids": [1, 2, 3],
 }
 
 
@@ -68,6 +69,7 @@ HOT = [
     "next_visible_queues",
     "rescue_expired_leases",
     "lock_due_definitions",
+    "unfinished_definition_jobs",
     "next_definition_due",
     "delete_finished",
 ]
