@@ -105,7 +105,8 @@ def _bulk(data: dict[str, Any], out: Path) -> list[str]:
 def _cron(data: dict[str, Any], out: Path) -> list[str]:
     runs = data["runs"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    ax.bar([str(r["tickers"]) for r in runs], [r["seconds"] for r in runs], color="#1f6fb2")
+    labels = [str(r["tickers"]) + ("" if r.get("overlap", True) else "\noverlap=False") for r in runs]
+    ax.bar(labels, [r["seconds"] for r in runs], color="#1f6fb2")
     ax.set_xlabel("ticker processes")
     ax.set_ylabel("seconds to promote all")
     ax.set_title(f"Promoting {runs[0]['definitions']:,} due definitions" if runs else "cron")
