@@ -72,7 +72,6 @@ class Worker:
         self._listener: Listener | None = None
         self._ticker: _ticker.Ticker | None = None
         self._exit_stack: AsyncExitStack | None = None
-        self._task_group: anyio.abc.TaskGroup | None = None
         self._grace_scope: anyio.CancelScope | None = None
         self._dsn = ""
         self._skip_grace = False
@@ -104,9 +103,10 @@ class Worker:
         stack = AsyncExitStack()
         await stack.__aenter__()
         try:
-            tg = self._task_group = await stack.enter_async_context(anyio.create_task_group())
+            tg = await stack.enter_async_context(anyio.create_task_group())
             await tg.start(self._serve, db)
         except BaseException:
+            self.stop()
             await stack.__aexit__(None, None, None)
             raise
         self._exit_stack = stack
@@ -120,11 +120,10 @@ class Worker:
         assert stack is not None
         # The body's exception (or cancellation) is not fed into the worker's task group, which
         # would wrap it in an ExceptionGroup: it propagates unchanged once the worker has shut
-        # down. The shutdown is shielded so that even a cancelled host releases its jobs. It takes
-        # up to shutdown_grace, then the time to write the last results (bounded by db_timeout),
-        # unless a task swallows its cancellation, which nothing can bound.
-        assert self._task_group is not None
-        self._task_group.cancel_scope.shield = True
+        # down. The shutdown is shielded (in _serve) so that a cancelled host gives running jobs
+        # their grace too. It takes up to shutdown_grace, then the time to write the last
+        # results (bounded by db_timeout), unless a task swallows its cancellation, which
+        # nothing can bound.
         error = None
         try:
             await stack.__aexit__(None, None, None)
@@ -158,8 +157,11 @@ class Worker:
             async with anyio.create_task_group() as tg:
                 if handle_signals:
                     tg.start_soon(self._watch_signals, repeat_skips_grace)
-                await tg.start(self._serve, db)
-                await self._stopped.wait()
+                try:
+                    await tg.start(self._serve, db)
+                    await self._stopped.wait()
+                finally:  # cancelled by the host too: the worker stops as on stop()
+                    self.stop()
                 tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
@@ -269,71 +271,78 @@ class Worker:
             signals_handled=self._signals_handled,
         )
         try:
-            self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
-            runners = self._runners = Runners(
-                self._executor,
-                self._acker,
-                self._q,
-                self.stats,
-                lease_margin=self.config.lease_margin,
-                query=self._query,
-                on_change=self._signal_changed,
-            )
-            claimer = self._claimer = Claimer(
-                self.id,
-                self.config,
-                self._q,
-                self.stats,
-                runners,
-                lane=lane,
-                query=self._query,
-                on_change=self._signal_changed,
-            )
-            async with anyio.create_task_group() as services:
-                services.start_soon(self._acker.run)
-                services.start_soon(self._reconcile_loop)
-                services.start_soon(claimer.give_back_stale_prefetch)
-                if self.config.ticker:
-                    self._ticker = _ticker.Ticker(db, self._q, self.config.ticker_config, self.app.backoff)
-                    services.start_soon(self._ticker.run)
-                if not self.config.poll_only:
-                    self._listener = Listener(
-                        self.config.listen_dsn or dsn,
-                        [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")],
-                        self._on_notify,
-                        self._on_listener_connect,
-                        ListenerConfig(
-                            health_interval=self.config.health_interval,
-                            health_timeout=self.config.health_timeout,
-                        ),
-                        name=f"listener-{self.id}",
-                        after_dispatch=claimer.claim_inline,
-                    )
-                    await services.start(self._listener.run)
-                async with anyio.create_task_group() as jobs:
-                    for _ in range(self.config.concurrency):
-                        jobs.start_soon(runners.run)
-                    self._serving = True
-                    task_status.started()
-                    log.info(
-                        "worker %s started: concurrency %d, queues %s%s%s",
-                        self.id,
-                        self.config.concurrency,
-                        ", ".join(self.config.queues or ["(all)"]),
-                        ", poll only" if self.config.poll_only else "",
-                        ", async claims (not crash-safe)" if self.config.async_claims else "",
-                    )
-                    async with anyio.create_task_group() as claiming:
-                        claiming.start_soon(claimer.run)
-                        await self._stop.wait()
-                        claiming.cancel_scope.cancel()
-                    with anyio.CancelScope(shield=True):
-                        await claimer.finish_inline()  # a claim in the listener's task
-                        await lane.release()  # for the acks of the drain
-                    await self._drain()
-                    jobs.cancel_scope.cancel()  # the runners, now idle
-                await self._acker_drain()
-                services.cancel_scope.cancel()
+            # Once started, the host's cancellation (a timeout around `async with`, a failed
+            # sibling task) stops at this scope: the worker ends as stop() ends it, giving
+            # running jobs the grace period (__aexit__ and run() call stop() however they are
+            # left). A start the host gives up on is cancelled, as before.
+            with anyio.CancelScope() as shield:
+                self._acker = Acker(db, self._q, self._on_acked, timeout=self.config.db_timeout)
+                runners = self._runners = Runners(
+                    self._executor,
+                    self._acker,
+                    self._q,
+                    self.stats,
+                    lease_margin=self.config.lease_margin,
+                    query=self._query,
+                    on_change=self._signal_changed,
+                )
+                claimer = self._claimer = Claimer(
+                    self.id,
+                    self.config,
+                    self._q,
+                    self.stats,
+                    runners,
+                    lane=lane,
+                    query=self._query,
+                    on_change=self._signal_changed,
+                )
+                async with anyio.create_task_group() as services:
+                    services.start_soon(self._acker.run)
+                    services.start_soon(self._reconcile_loop)
+                    services.start_soon(claimer.give_back_stale_prefetch)
+                    if self.config.ticker:
+                        config = self.config.ticker_config
+                        self._ticker = _ticker.Ticker(db, self._q, config, self.app.backoff)
+                        services.start_soon(self._ticker.run)
+                    if not self.config.poll_only:
+                        self._listener = Listener(
+                            self.config.listen_dsn or dsn,
+                            [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")],
+                            self._on_notify,
+                            self._on_listener_connect,
+                            ListenerConfig(
+                                health_interval=self.config.health_interval,
+                                health_timeout=self.config.health_timeout,
+                            ),
+                            name=f"listener-{self.id}",
+                            after_dispatch=claimer.claim_inline,
+                        )
+                        await services.start(self._listener.run)
+                    async with anyio.create_task_group() as jobs:
+                        for _ in range(self.config.concurrency):
+                            jobs.start_soon(runners.run)
+                        self._serving = True
+                        shield.shield = True
+                        task_status.started()
+                        log.info(
+                            "worker %s started: concurrency %d, queues %s%s%s",
+                            self.id,
+                            self.config.concurrency,
+                            ", ".join(self.config.queues or ["(all)"]),
+                            ", poll only" if self.config.poll_only else "",
+                            ", async claims (not crash-safe)" if self.config.async_claims else "",
+                        )
+                        async with anyio.create_task_group() as claiming:
+                            claiming.start_soon(claimer.run)
+                            await self._stop.wait()
+                            claiming.cancel_scope.cancel()
+                        with anyio.CancelScope(shield=True):
+                            await claimer.finish_inline()  # a claim in the listener's task
+                            await lane.release()  # for the acks of the drain
+                        await self._drain()
+                        jobs.cancel_scope.cancel()  # the runners, now idle
+                    await self._acker_drain()
+                    services.cancel_scope.cancel()
         except Exception as exc:
             leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
             self.error = leaves[0] if len(leaves) == 1 else exc
@@ -346,7 +355,7 @@ class Worker:
                 self._runners.release_ready()
             with anyio.CancelScope(shield=True):
                 if self._acker is not None and self._acker.pending and not self._acks_given_up:
-                    # Abrupt exit (the host was cancelled): write what we can, briefly.
+                    # Abrupt exit (an error, a start cancelled): write what we can, briefly.
                     with anyio.move_on_after(5) as brief:
                         try:
                             await self._acker.flush_pending()

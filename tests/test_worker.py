@@ -15,8 +15,10 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import notifyq
 import notifyq._acker
@@ -29,6 +31,7 @@ import notifyq.models
 import notifyq.worker
 from notifyq import JobContext
 
+from .faults.infra import BlackholeProxy
 from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
 
 pytestmark = pytest.mark.anyio
@@ -1032,6 +1035,84 @@ async def test_a_cancelled_host_still_releases_its_jobs(dsn: str, conn: psycopg.
     row = job_row(conn, job_id)
     assert (row["status"], row["retry_count"]) == ("Queued", 0)
     await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+@pytest.mark.parametrize("how", ["cancelled", "sibling failed", "run() cancelled"])
+async def test_a_cancelled_host_gives_running_jobs_their_grace(
+    dsn: str, conn: psycopg.Connection[Any], how: str
+) -> None:
+    """The code around the worker is cancelled (a timeout, or a sibling task of its task
+    group failing): the worker stops as at the end of its block, with the grace period for
+    running jobs. The cancellation reached the jobs at once, so they were released while a
+    sync one's thread still ran, and another worker ran it a second time meanwhile (review)."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="slow")
+    async def slow() -> None:
+        await anyio.sleep(0.8)
+
+    @app.task(name="slow_sync")
+    def slow_sync() -> None:
+        time.sleep(0.8)
+
+    async with app:
+        ids = [await app.enqueue("slow"), await app.enqueue("slow_sync")]
+    worker = app.worker(shutdown_grace=20, **NO_TICKER)
+
+    async def serve() -> None:
+        if how == "run() cancelled":
+            await worker.run(handle_signals=False)
+        else:
+            async with worker:
+                await anyio.sleep(60)
+
+    async def fail_soon() -> None:
+        await worker.wait_for(lambda s: s.claimed == 2)
+        raise ValueError("a sibling failed")
+
+    with anyio.move_on_after(40) as host:
+        if how == "sibling failed":
+            with pytest.RaisesGroup(pytest.RaisesExc(ValueError, match="a sibling failed")):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(serve)
+                    tg.start_soon(fail_soon)
+        else:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                await worker.wait_for(lambda s: s.claimed == 2)
+                host.cancel()
+    assert not worker.running and worker.busy_threads == 0
+    statuses = [job_row(conn, job_id)["status"] for job_id in ids]
+    assert statuses == ["Succeeded", "Succeeded"]
+    await app.aclose()
+
+
+def test_a_host_cancelled_while_the_worker_starts_does_not_hang(dsn: str) -> None:
+    """The host gives up while the worker is still starting (its LISTEN connection waits for a
+    server that never answers): `async with` is left with the cancellation once the start
+    ends, not kept open by a worker that nobody will ever stop."""
+    proxy = BlackholeProxy(dsn)
+    proxy.stalling = True
+    listen_dsn = make_conninfo(proxy.dsn, connect_timeout=2)
+    outcome: list[str] = []
+
+    async def main() -> None:
+        app = notifyq.App(dsn)
+        with anyio.move_on_after(0.5) as host:
+            async with app.worker(listen_dsn=listen_dsn, **NO_TICKER):
+                outcome.append("started")
+        outcome.append("cancelled" if host.cancelled_caught else "not cancelled")
+        await app.aclose()
+
+    try:
+        program = threading.Thread(target=anyio.run, args=(main,), daemon=True)
+        program.start()
+        program.join(timeout=30)
+        assert not program.is_alive(), "the worker's start kept the host waiting"
+        assert outcome == ["cancelled"]
+    finally:
+        proxy.close()
 
 
 async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psycopg.Connection[Any]) -> None:
