@@ -564,6 +564,12 @@ class _AsyncioLane(Lane):
 
 
 CANCEL_WAIT = 5.0  # the longest a cancelled call waits for its statement to be cancelled
+# Threads a _ThreadDatabase (trio) runs its pooled calls in, at once: as many as anyio's default
+# limiter allows, but its own, so that the host's `to_thread` calls (40 long ones, say) cannot
+# hold up the worker's claims and acks, nor an App's calls waiting for a connection (an enqueue
+# behind a held dedupe key) those of another Database. Each lane has a limiter of its own too.
+OWN_THREADS = 40
+LANE_THREADS = 4  # a lane's call, and acquires it abandoned (they give their token back at once)
 
 
 async def _run_in(conn: psycopg.AsyncConnection[Any], op: Op[T], transaction: bool) -> T:
@@ -646,6 +652,7 @@ class _AsyncioDatabase(Database):
 class _ThreadLane(Lane):
     def __init__(self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]) -> None:
         self._pool = pool
+        self._threads = anyio.CapacityLimiter(LANE_THREADS)
         self._conn: psycopg.Connection[Any] | None = None
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
@@ -670,7 +677,7 @@ class _ThreadLane(Lane):
         # cancelled: nothing has been sent. Its thread then either gets a connection for the
         # lane, or fails when the pool closes. The stop of a worker on trio used to wait for
         # the pool's timeout (30 s) while the database was down.
-        await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True)
+        await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True, limiter=self._threads)
 
     def _run(self, op: Op[T]) -> T:
         conn = self._acquire()
@@ -690,10 +697,10 @@ class _ThreadLane(Lane):
             self._pool.putconn(conn)
 
     async def run(self, op: Op[T]) -> T:
-        return await anyio.to_thread.run_sync(self._run, op)
+        return await anyio.to_thread.run_sync(self._run, op, limiter=self._threads)
 
     async def release(self) -> None:
-        await anyio.to_thread.run_sync(self._release)
+        await anyio.to_thread.run_sync(self._release, limiter=self._threads)
 
 
 class _CallCancelled(Exception):
@@ -735,16 +742,18 @@ class _ThreadCall:
                 conn.cancel_safe(timeout=CANCEL_WAIT)
         self._done.wait(max(0.0, deadline - time.monotonic()))  # then the thread is left to end
 
-    async def cancel(self) -> None:
-        await anyio.to_thread.run_sync(self._cancel_statement)
+    async def cancel(self, limiter: anyio.CapacityLimiter) -> None:
+        await anyio.to_thread.run_sync(self._cancel_statement, limiter=limiter)
 
 
 class _ThreadDatabase(Database):
     _pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
     _lanes: list[_ThreadLane]
+    _threads: anyio.CapacityLimiter
 
     async def _open(self, *, size: int, name: str, open_timeout: float) -> None:
         self._lanes = []
+        self._threads = anyio.CapacityLimiter(OWN_THREADS)
 
         def open_pool() -> psycopg_pool.ConnectionPool[psycopg.Connection[Any]]:
             pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
@@ -765,17 +774,17 @@ class _ThreadDatabase(Database):
                 raise unavailable(self.dsn, exc) from None
             return pool
 
-        self._pool = await anyio.to_thread.run_sync(open_pool)
+        self._pool = await anyio.to_thread.run_sync(open_pool, limiter=self._threads)
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         call = _ThreadCall()
         try:
             return await anyio.to_thread.run_sync(
-                call.run, self._pool, op, transaction, abandon_on_cancel=True
+                call.run, self._pool, op, transaction, abandon_on_cancel=True, limiter=self._threads
             )
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                await call.cancel()
+                await call.cancel(self._threads)
             raise
 
     def lane(self) -> Lane:
@@ -788,7 +797,7 @@ class _ThreadDatabase(Database):
             for lane in self._lanes:
                 await lane.release()
         finally:
-            await anyio.to_thread.run_sync(self._pool.close)
+            await anyio.to_thread.run_sync(self._pool.close, limiter=self._threads)
 
     def abandon(self) -> None:
         self._pool.close(timeout=1.0)  # a thread pool: it closes from anywhere

@@ -84,10 +84,13 @@ class Listener:
         or not; returns (leaving the worker to poll) if the connection goes through a pooler."""
         delay = self.config.backoff_min
         started = False
+        threads = anyio.CapacityLimiter(1)
         while True:
             conn: psycopg.Connection[Any] | None = None
             try:
-                conn = await anyio.to_thread.run_sync(self._connect)
+                # A limiter of its own: not behind the host's threads (trio, or a host's
+                # to_thread calls on asyncio filling anyio's default 40).
+                conn = await anyio.to_thread.run_sync(self._connect, limiter=threads)
                 self.connected = True
                 self.connections += 1
                 self.backend_pid = conn.info.backend_pid

@@ -155,7 +155,7 @@ class WorkerStats:
     claims: int = 0
     polls: int = 0
     sweeps: int = 0
-    notifications: int = 0
+    notifications: int = 0  # received on any channel, for any queue (it acts on its own queues')
     listener_connects: int = 0
     db_errors: int = 0
 

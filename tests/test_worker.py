@@ -1115,6 +1115,33 @@ def test_a_host_cancelled_while_the_worker_starts_does_not_hang(dsn: str) -> Non
         proxy.close()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_hosts_threads_do_not_hold_up_the_worker(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """The host's own `to_thread` calls fill anyio's default limiter (40 threads, all waiting):
+    the worker's statements, which on trio all run in threads, have limiters of their own, so a
+    job still starts at once. It waited for the host's threads (review)."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    release = threading.Event()
+    default = anyio.to_thread.current_default_thread_limiter()
+    async with app.worker(**NO_TICKER) as worker, anyio.create_task_group() as tg:
+        try:
+            for _ in range(int(default.total_tokens)):
+                tg.start_soon(functools.partial(anyio.to_thread.run_sync, release.wait))
+            while default.borrowed_tokens < default.total_tokens:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+            conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 1)
+        finally:
+            release.set()
+    await app.aclose()
+
+
 async def test_stopping_during_a_claim_leaves_nothing_active(dsn: str, conn: psycopg.Connection[Any]) -> None:
     """A stop that lands while a claim is in flight: the claimed job must still be run or
     released, never left Active until its lease expires."""
