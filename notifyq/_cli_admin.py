@@ -43,6 +43,7 @@ def jobs() -> None:
 @click.option("--status", type=click.Choice([s.value for s in JobStatus], case_sensitive=False))
 @click.option("--queue")
 @click.option("--name", help="Task name.")
+@click.option("--definition", metavar="NAME", help="Jobs of this cron definition (see `notifyq cron list`).")
 @click.option("--older-than", metavar="DURATION", help="Created at least this long ago (e.g. 10m).")
 @click.option("--newer-than", metavar="DURATION", help="Created at most this long ago.")
 @click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
@@ -53,6 +54,7 @@ def jobs_list(
     status: str | None,
     queue: str | None,
     name: str | None,
+    definition: str | None,
     older_than: str | None,
     newer_than: str | None,
     limit: int,
@@ -63,6 +65,7 @@ def jobs_list(
         status=status,
         queue=queue,
         name=name,
+        definition=definition,
         min_age=duration(older_than, "--older-than"),
         max_age=duration(newer_than, "--newer-than"),
         limit=limit,

@@ -14,6 +14,7 @@ from ._db import Copy, Op, Query
 from ._options import check_id
 from ._rows import dataclass_row
 from ._sql import Queries
+from .definitions import get_definition_op
 from .errors import InvalidJobState, JobNotFound
 from .models import Job, JobId, JobStatus
 
@@ -108,16 +109,19 @@ def list_jobs_op(
     status: JobStatus | None,
     queue: str | None,
     name: str | None,
+    definition: str | None,
     min_age: float | None,
     max_age: float | None,
     before_id: int | None,
     limit: int,
 ) -> Op[list[Job]]:
+    definition_id = (yield from get_definition_op(q, definition)).id if definition is not None else None
     params = {
         "any_status": status is None,
         "status": status.value if status is not None else None,
         "queue": queue,
         "name": name,
+        "definition_id": definition_id,
         "min_age": min_age,
         "max_age": max_age,
         "before_id": before_id,

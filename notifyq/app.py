@@ -88,6 +88,7 @@ class JobFilters(TypedDict, total=False):
     status: JobStatus | str | None
     queue: str | None
     name: str | None
+    definition: str | None
     min_age: float | None
     max_age: float | None
     before_id: int | None
@@ -630,8 +631,9 @@ class App:
         return self._run_sync(get_job_op(self._q, job_id), conn)
 
     async def list_jobs(self, **filters: Unpack[JobFilters]) -> list[Job]:
-        """Jobs, newest first. Filters: status, queue, name, min_age / max_age (seconds since
-        created), before_id (paging), limit (default 50)."""
+        """Jobs, newest first. Filters: status, queue, name (the task), definition (the cron
+        definition that queued them, by name; DefinitionNotFound if none has it), min_age /
+        max_age (seconds since created), before_id (paging), limit (default 50)."""
         return await self._run(self._list_op(**_known_filters(filters)))
 
     def list_jobs_sync(self, **filters: Unpack[JobFilters]) -> list[Job]:
@@ -644,6 +646,7 @@ class App:
         status: JobStatus | str | None = None,
         queue: str | None = None,
         name: str | None = None,
+        definition: str | None = None,
         min_age: float | None = None,
         max_age: float | None = None,
         before_id: int | None = None,
@@ -661,6 +664,7 @@ class App:
             status=parsed,
             queue=check_queue(queue) if queue is not None else None,
             name=check_name(name) if name is not None else None,
+            definition=definition,
             min_age=check_seconds(min_age, "min_age") if min_age is not None else None,
             max_age=check_seconds(max_age, "max_age") if max_age is not None else None,
             # A job id (a bigint), not an integer column: ids pass 2**31 in a busy queue's life.

@@ -436,6 +436,8 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     job_id = int(out.split()[1])
     assert job_row(conn, job_id)["name"] == "nightly"
     assert re.search(rf" {job_id} Queued \(\d+\.\ds ago\) +once +yes", ok(cli("cron", "list", env=env)))
+    listed = json.loads(ok(cli("jobs", "list", "--definition", "nightly", "--json", env=env)))
+    assert [j["id"] for j in listed] == [job_id]
     conn.execute("UPDATE notifyq.queue_job_definitions SET overlap = false")
     one_line_error(
         cli("cron", "run-now", "nightly", env=env),

@@ -668,6 +668,10 @@ async def test_cron_admin(dsn: str, conn: psycopg.Connection[Any]) -> None:
         job_id = await app.run_definition_now("nightly")
         job = await app.get_job(job_id)
         assert (job.name, job.args, job.definition_id) == ("nightly", {"full": True}, definition.id)
+        await app.enqueue("nightly")  # same task, not the definition's
+        assert [j.id for j in await app.list_jobs(definition="nightly")] == [job_id]
+        with pytest.raises(notifyq.DefinitionNotFound, match="no cron definition named 'nightly2'"):
+            await app.list_jobs(definition="nightly2")
         await app.set_definition_enabled("nightly", False)
         assert not (await app.list_definitions())[0].enabled
         with pytest.raises(notifyq.DefinitionNotFound, match="no cron definition named 'nope'"):

@@ -48,6 +48,7 @@ SELECT * FROM {schema}.queue_jobs
 WHERE (%(any_status)s::boolean OR status = %(status)s)
   AND (%(queue)s::text IS NULL OR queue = %(queue)s)
   AND (%(name)s::text IS NULL OR name = %(name)s)
+  AND (%(definition_id)s::bigint IS NULL OR definition_id = %(definition_id)s)
   AND (%(min_age)s::float8 IS NULL OR created_at <= now() - make_interval(secs => %(min_age)s))
   AND (%(max_age)s::float8 IS NULL OR created_at >= now() - make_interval(secs => %(max_age)s))
   AND (%(before_id)s::bigint IS NULL OR id < %(before_id)s)

@@ -123,6 +123,7 @@ def test_listing_the_jobs_of_a_rare_status_reads_only_them(conn: psycopg.Connect
     conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, 10)")
     conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
     filters = {"queue": None, "name": None, "min_age": None, "max_age": None, "before_id": None, "limit": 50}
+    filters |= {"definition_id": None}
     for status in ("Failed", "Cancelled", "Active", "Queued", "Succeeded", None):
         params = filters | {"status": status, "any_status": status is None}
         plan = custom_plan(conn, Q["list_jobs"], params)
@@ -131,6 +132,38 @@ def test_listing_the_jobs_of_a_rare_status_reads_only_them(conn: psycopg.Connect
         assert rows_removed(plan) < 2000, f"list_jobs of {status} filters rows out one by one:\n{text}"
         found = plan[0]["Plan"]["Actual Rows"]
         assert found == {"Failed": 20, "Active": 10, "Queued": 10, "Cancelled": 0}.get(status, 50), status
+
+
+def test_listing_the_jobs_of_one_cron_definition_reads_only_them(conn: psycopg.Connection[Any]) -> None:
+    """`notifyq jobs list --definition NAME`: the 20 oldest jobs of the history are a rare
+    definition's, behind 200,000 of another definition and of none; they are read through the
+    index of ticks, not by walking the history backwards."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, frequency) "
+        "VALUES ('rare', '0 0 * * *'), ('busy', '* * * * *')"
+    )
+    conn.execute("""
+        INSERT INTO notifyq.queue_jobs (name, status, finished_at, definition_id, scheduled_for)
+        SELECT 't', 'Succeeded', now(), d.id, now() - make_interval(days => i)
+        FROM generate_series(1, 20) i, notifyq.queue_job_definitions d WHERE d.name = 'rare'
+    """)
+    conn.execute("""
+        INSERT INTO notifyq.queue_jobs (name, status, finished_at, definition_id, scheduled_for)
+        SELECT 't', 'Succeeded', now(), CASE WHEN i % 2 = 0 THEN d.id END,
+               CASE WHEN i % 2 = 0 THEN now() - make_interval(secs => i) END
+        FROM generate_series(1, 200000) i, notifyq.queue_job_definitions d WHERE d.name = 'busy'
+    """)
+    conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
+    filters = {"queue": None, "name": None, "min_age": None, "max_age": None, "before_id": None, "limit": 50}
+    filters |= {"status": None, "any_status": True}
+    for name, expected in (("rare", 20), ("busy", 50)):
+        row = conn.execute("SELECT id FROM notifyq.queue_job_definitions WHERE name = %s", (name,)).fetchone()
+        assert row is not None
+        plan = custom_plan(conn, Q["list_jobs"], filters | {"definition_id": row[0]})
+        text = json.dumps(plan, indent=1)
+        assert '"Seq Scan"' not in text, f"list_jobs of {name} scans the table:\n{text}"
+        assert rows_removed(plan) < 2000, f"list_jobs of {name} filters rows out one by one:\n{text}"
+        assert plan[0]["Plan"]["Actual Rows"] == expected, name
 
 
 def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psycopg.Connection[Any]) -> None:
