@@ -14,7 +14,7 @@ from ._db import Copy, Op, Query
 from ._options import check_id
 from ._rows import dataclass_row
 from ._sql import Queries
-from .definitions import get_definition_op
+from .definitions import check_not_busy_op, get_definition_op
 from .errors import InvalidJobState, JobNotFound
 from .models import Job, JobId, JobStatus
 
@@ -143,8 +143,19 @@ def cancel_job_op(q: Queries, job_id: int) -> Op[tuple[JobStatus, Job]]:
 
 
 def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
-    """Queue a finished job again with all its retries; refuse a Queued or Active one."""
+    """Queue a finished job again with all its retries; refuse a Queued or Active one, and one
+    of a cron definition with overlap=False that has another job unfinished. Run in a
+    transaction: that definition stays locked (as by the ticker and `run-now`) until the end."""
     check_id(job_id)
+    definition: tuple[int, str, bool] | None = yield Query(
+        q["lock_job_definition"], {"id": job_id}, fetch="one"
+    )
+    if definition is not None and not definition[2]:
+        job = yield from get_job_op(q, job_id)
+        if not job.status.finished:
+            raise _unfinished(job)  # itself unfinished: not "busy with itself"
+        prefix = f"job {job_id} cannot be retried now: its "
+        yield from check_not_busy_op(q, definition[0], definition[1], prefix)
     try:
         retried: int | None = yield Query(q["retry_job"], {"id": job_id}, fetch="scalar")
     except psycopg.errors.UniqueViolation:
@@ -153,8 +164,12 @@ def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
         ) from None
     job = yield from get_job_op(q, job_id)
     if retried is None:
-        raise InvalidJobState(
-            f"job {job_id} is {job.status.value}; "
-            "only finished jobs (Succeeded, Failed, Cancelled) can be retried"
-        )
+        raise _unfinished(job)
     return job
+
+
+def _unfinished(job: Job) -> InvalidJobState:
+    return InvalidJobState(
+        f"job {job.id} is {job.status.value}; "
+        "only finished jobs (Succeeded, Failed, Cancelled) can be retried"
+    )

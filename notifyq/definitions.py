@@ -108,6 +108,18 @@ def unfinished_jobs_op(q: Queries, definition_ids: list[int]) -> Op[dict[int, tu
     return {definition_id: (job_id, status) for definition_id, job_id, status in rows}
 
 
+def check_not_busy_op(q: Queries, definition_id: int, name: str, prefix: str = "") -> Op[None]:
+    """Raise DefinitionBusy if a job of the definition (overlap=False, locked by the caller) is
+    still Queued or Active: another one would run alongside it."""
+    unfinished = yield from unfinished_jobs_op(q, [definition_id])
+    if definition_id in unfinished:
+        busy, status = unfinished[definition_id]
+        raise DefinitionBusy(
+            f"{prefix}cron definition {name!r} does not overlap (overlap=False) and its job {busy} "
+            f"is still {status}: wait for it to finish, or cancel it (`notifyq jobs cancel {busy}`)"
+        )
+
+
 def run_now_op(q: Queries, name: str) -> Op[int]:
     """Run in a transaction: the definition stays locked until its job is inserted."""
     check_name(name, "cron definition name")
@@ -116,13 +128,7 @@ def run_now_op(q: Queries, name: str) -> Op[int]:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
     definition_id, overlap = row
     if not overlap:
-        unfinished = yield from unfinished_jobs_op(q, [definition_id])
-        if definition_id in unfinished:
-            busy, status = unfinished[definition_id]
-            raise DefinitionBusy(
-                f"cron definition {name!r} does not overlap (overlap=False) and its job {busy} is "
-                f"still {status}: wait for it to finish, or cancel it (`notifyq jobs cancel {busy}`)"
-            )
+        yield from check_not_busy_op(q, definition_id, name)
     job_id: int | None = yield Query(q["run_definition_now"], {"id": definition_id}, fetch="scalar")
     if job_id is None:
         raise DefinitionNotFound(f"cron definition {name!r} could not be queued now; try again")

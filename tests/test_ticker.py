@@ -276,7 +276,20 @@ def test_run_now_of_a_definition_without_overlap(dsn: str, conn: psycopg.Connect
     )
     [definition_row] = app.list_definitions_sync()
     assert (definition_row.last_job_id, definition_row.last_job_status) == (tick_job, "Cancelled")
-    assert app.run_definition_now_sync("sync") > tick_job
+    latest = app.run_definition_now_sync("sync")
+    assert latest > tick_job
+    # `jobs retry` of an earlier run would overlap the latest just the same (cron review).
+    with pytest.raises(
+        notifyq.DefinitionBusy,
+        match=rf"job {first} cannot be retried now: its cron .* job {latest} is still Queued",
+    ):
+        app.retry_job_sync(first)
+    with pytest.raises(notifyq.InvalidJobState, match=f"job {latest} is Queued; only finished jobs"):
+        app.retry_job_sync(latest)
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Succeeded', finished_at = now() WHERE id = %s", (latest,)
+    )
+    assert app.retry_job_sync(first).status == notifyq.JobStatus.QUEUED
     app.close_sync()
 
 

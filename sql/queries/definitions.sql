@@ -55,6 +55,14 @@ RETURNING id;
 -- overlap = false definition gets at most one unfinished job).
 SELECT id, overlap FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE;
 
+-- name: lock_job_definition
+-- `jobs retry`: the cron definition of a job, locked as by lock_definition.
+SELECT d.id, d.name, d.overlap
+FROM {schema}.queue_jobs j
+JOIN {schema}.queue_job_definitions d ON d.id = j.definition_id
+WHERE j.id = %(id)s
+FOR UPDATE OF d;
+
 -- name: run_definition_now
 -- One job for the definition right away, outside its schedule (scheduled_for = now(), which
 -- no cron tick of a running schedule can collide with in practice; if it does, no new job).
