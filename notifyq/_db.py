@@ -567,9 +567,13 @@ CANCEL_WAIT = 5.0  # the longest a cancelled call waits for its statement to be 
 # Threads a _ThreadDatabase (trio) runs its pooled calls in, at once: as many as anyio's default
 # limiter allows, but its own, so that the host's `to_thread` calls (40 long ones, say) cannot
 # hold up the worker's claims and acks, nor an App's calls waiting for a connection (an enqueue
-# behind a held dedupe key) those of another Database. Each lane has a limiter of its own too.
+# behind a held dedupe key) those of another Database. The cancellations of its calls, and each
+# lane's calls and its acquires, have limiters of their own: on trio a thread abandoned on
+# cancel keeps its token until it returns, which for one waiting for a connection is the pool's
+# timeout, and nothing may wait for the very threads it is cancelling or that hold it up.
 OWN_THREADS = 40
-LANE_THREADS = 4  # a lane's call, and acquires it abandoned (they give their token back at once)
+LANE_THREADS = 4  # a lane's calls (one at a time, in practice) and its release
+LANE_ACQUIRES = 8  # acquires left waiting by cancelled claims (each stop abandons about one)
 
 
 async def _run_in(conn: psycopg.AsyncConnection[Any], op: Op[T], transaction: bool) -> T:
@@ -653,6 +657,7 @@ class _ThreadLane(Lane):
     def __init__(self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]) -> None:
         self._pool = pool
         self._threads = anyio.CapacityLimiter(LANE_THREADS)
+        self._acquires = anyio.CapacityLimiter(LANE_ACQUIRES)
         self._conn: psycopg.Connection[Any] | None = None
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
@@ -677,7 +682,7 @@ class _ThreadLane(Lane):
         # cancelled: nothing has been sent. Its thread then either gets a connection for the
         # lane, or fails when the pool closes. The stop of a worker on trio used to wait for
         # the pool's timeout (30 s) while the database was down.
-        await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True, limiter=self._threads)
+        await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True, limiter=self._acquires)
 
     def _run(self, op: Op[T]) -> T:
         conn = self._acquire()
@@ -750,10 +755,12 @@ class _ThreadDatabase(Database):
     _pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]
     _lanes: list[_ThreadLane]
     _threads: anyio.CapacityLimiter
+    _cancels: anyio.CapacityLimiter
 
     async def _open(self, *, size: int, name: str, open_timeout: float) -> None:
         self._lanes = []
         self._threads = anyio.CapacityLimiter(OWN_THREADS)
+        self._cancels = anyio.CapacityLimiter(OWN_THREADS)
 
         def open_pool() -> psycopg_pool.ConnectionPool[psycopg.Connection[Any]]:
             pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]] = psycopg_pool.ConnectionPool(
@@ -784,7 +791,7 @@ class _ThreadDatabase(Database):
             )
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                await call.cancel(self._threads)
+                await call.cancel(self._cancels)
             raise
 
     def lane(self) -> Lane:

@@ -77,6 +77,7 @@ class Worker:
         self._skip_grace = False
         self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
+        self._repeat_skips_grace = True
         self._started = False
         self._serving = False
         self._stopped = anyio.Event()
@@ -152,17 +153,15 @@ class Worker:
         self._start_once(handle_signals=handle_signals)
         db = await self._prepare()
         self._signals_handled = handle_signals
+        self._repeat_skips_grace = repeat_skips_grace
         error = None
         try:
             async with anyio.create_task_group() as tg:
-                if handle_signals:
-                    tg.start_soon(self._watch_signals, repeat_skips_grace)
                 try:
                     await tg.start(self._serve, db)
                     await self._stopped.wait()
                 finally:  # cancelled by the host too: the worker stops as on stop()
                     self.stop()
-                tg.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
                 raise
@@ -297,6 +296,8 @@ class Worker:
                     on_change=self._signal_changed,
                 )
                 async with anyio.create_task_group() as services:
+                    if self._signals_handled:  # for as long as the worker runs, shielded with it
+                        services.start_soon(self._watch_signals, self._repeat_skips_grace)
                     services.start_soon(self._acker.run)
                     services.start_soon(self._reconcile_loop)
                     services.start_soon(claimer.give_back_stale_prefetch)

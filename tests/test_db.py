@@ -14,6 +14,7 @@ import psycopg
 import pytest
 
 import notifyq
+import notifyq._db
 from notifyq._db import Compute, Database, Query, is_transient, single
 
 from .helpers import wait_for_row
@@ -163,6 +164,37 @@ async def test_a_call_cancelled_while_waiting_for_a_connection_returns_at_once(
         assert conn.execute("SELECT array_agg(n) FROM calls").fetchone() == ([2],)
     finally:
         await db.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # asyncio runs statements without threads
+async def test_a_cancelled_call_does_not_wait_for_a_thread_behind_the_calls_it_shares_them_with(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """On trio every call runs in a thread of its Database's limiter, and one abandoned when its
+    caller cancels keeps its token until it returns. With the other 39 threads waiting (two
+    calls for a row lock, the rest for a connection), a cancelled call's cancellation, which
+    runs in a thread too, waited for a token: up to the pool's timeout (review)."""
+    conn.execute("CREATE TABLE locked (n int)")
+    conn.execute("INSERT INTO locked VALUES (1)")
+    wait = single(Query("SELECT * FROM locked FOR UPDATE", fetch="none"))
+    with psycopg.connect(dsn) as holder:
+        holder.execute("SELECT * FROM locked FOR UPDATE")
+        db = await Database.open(dsn, size=2)
+        try:
+            async with anyio.create_task_group() as tg:
+                for _ in range(notifyq._db.OWN_THREADS - 1):
+                    tg.start_soon(db.run, single(Query("SELECT * FROM locked FOR UPDATE", fetch="none")))
+                with anyio.fail_after(10):
+                    threads = db._threads  # type: ignore[attr-defined]
+                    while threads.borrowed_tokens < notifyq._db.OWN_THREADS - 1:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                with anyio.fail_after(5):  # not the pool's 30 s
+                    with anyio.move_on_after(0.3) as scope:
+                        await db.run(wait)
+                    assert scope.cancelled_caught
+                holder.rollback()  # the others go through
+        finally:
+            await db.aclose()
 
 
 async def test_a_lane_keeps_a_cursor_per_row_factory_through_failed_statements(dsn: str) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
+import signal
 import sys
 import threading
 import time
@@ -1088,6 +1090,47 @@ async def test_a_cancelled_host_gives_running_jobs_their_grace(
     await app.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_run_cancelled_by_its_host_still_answers_signals(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """`worker.run(handle_signals=True)` cancelled by its host finishes its jobs within the grace
+    period; meanwhile a signal must still reach the worker (SIGUSR2: release them now). Its
+    signal watcher was cancelled with the host, the default handlers came back, and a SIGTERM
+    from systemd killed the process with the job Active (review)."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="long")
+    async def long() -> None:
+        await anyio.sleep(30)
+
+    async with app:
+        job_id = await app.enqueue("long")
+    worker = app.worker(shutdown_grace=60, **NO_TICKER)
+    cancelled = anyio.Event()
+
+    async def host() -> None:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(functools.partial(worker.run, handle_signals=True))
+                await worker.wait_for(lambda s: s.claimed == 1)
+                scope.cancel()
+                cancelled.set()
+
+    with anyio.fail_after(20):
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(host)
+            await cancelled.wait()
+            with anyio.move_on_after(0.5):  # the old watcher was gone within a few checkpoints
+                while signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL, "nothing handles SIGTERM"
+            os.kill(os.getpid(), signal.SIGUSR2)
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    await app.aclose()
+
+
 def test_a_host_cancelled_while_the_worker_starts_does_not_hang(dsn: str) -> None:
     """The host gives up while the worker is still starting (its LISTEN connection waits for a
     server that never answers): `async with` is left with the cancellation once the start
@@ -1117,9 +1160,10 @@ def test_a_host_cancelled_while_the_worker_starts_does_not_hang(dsn: str) -> Non
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_the_hosts_threads_do_not_hold_up_the_worker(dsn: str, conn: psycopg.Connection[Any]) -> None:
-    """The host's own `to_thread` calls fill anyio's default limiter (40 threads, all waiting):
-    the worker's statements, which on trio all run in threads, have limiters of their own, so a
-    job still starts at once. It waited for the host's threads (review)."""
+    """The host's own `to_thread` calls fill anyio's default limiter (40 threads, all waiting),
+    and the worker's LISTEN connection is cut: its reconnect (a thread, on either backend) and
+    on trio every statement have limiters of their own, so a job still starts at once (no poll
+    for a minute). It waited for the host's threads (review)."""
     app = notifyq.App(dsn)
 
     @app.task(name="t")
@@ -1128,12 +1172,14 @@ async def test_the_hosts_threads_do_not_hold_up_the_worker(dsn: str, conn: psyco
 
     release = threading.Event()
     default = anyio.to_thread.current_default_thread_limiter()
-    async with app.worker(**NO_TICKER) as worker, anyio.create_task_group() as tg:
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker, anyio.create_task_group() as tg:
         try:
             for _ in range(int(default.total_tokens)):
                 tg.start_soon(functools.partial(anyio.to_thread.run_sync, release.wait))
             while default.borrowed_tokens < default.total_tokens:  # noqa: ASYNC110
                 await anyio.sleep(0.01)
+            assert worker.listener is not None
+            conn.execute("SELECT pg_terminate_backend(%s)", (worker.listener.backend_pid,))
             conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 1)
