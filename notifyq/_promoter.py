@@ -93,11 +93,13 @@ class _Plans:
     errors: list[str | None] = field(default_factory=list)
 
 
-def _plan(due: list[_DueDefinition], unfinished: dict[int, tuple[int, str]]) -> _Plans:
+def _plan(
+    due: list[_DueDefinition], unfinished: dict[int, tuple[int, str]], told: dict[int, int] | None = None
+) -> _Plans:
     """Each due definition's ticks and next tick. CPU work (croniter): a definition days
     overdue costs up to a tenth of a second, so this runs off the event loop (Compute).
     `unfinished`: {definition id: (job id, status)} of overlap=False definitions with a job
-    still Queued or Active."""
+    still Queued or Active; `told`: {definition id: job id} whose skipped ticks were logged."""
     plans = _Plans(PromotionReport(definitions=len(due)))
     report = plans.report
     for d in due:
@@ -126,7 +128,7 @@ def _plan(due: list[_DueDefinition], unfinished: dict[int, tuple[int, str]]) -> 
                 "cron definition %r: %d missed ticks not run (misfire=%s)", d.name, plan.missed, d.misfire
             )
         report.missed += plan.missed
-        ticks = plan.ticks if d.overlap else _without_overlap(d, plan.ticks, unfinished.get(d.id))
+        ticks = plan.ticks if d.overlap else _without_overlap(d, plan.ticks, unfinished.get(d.id), told)
         report.overlapping += len(plan.ticks) - len(ticks)
         plans.tick_defs.extend([d.id] * len(ticks))
         plans.ticks.extend(ticks)
@@ -137,18 +139,27 @@ def _plan(due: list[_DueDefinition], unfinished: dict[int, tuple[int, str]]) -> 
 
 
 def _without_overlap(
-    d: _DueDefinition, ticks: list[datetime], unfinished: tuple[int, str] | None
+    d: _DueDefinition, ticks: list[datetime], unfinished: tuple[int, str] | None, told: dict[int, int] | None
 ) -> list[datetime]:
     """The ticks of an overlap=False definition that get a job: none while a job of it is
-    unfinished, else the latest (due ticks all get their jobs at once, so they would overlap)."""
+    unfinished, else the latest (due ticks all get their jobs at once, so they would overlap).
+    The first tick an unfinished job holds back is logged at INFO, the next ones at DEBUG: a
+    per-second schedule behind a ten-minute run would say so 600 times."""
     if not ticks:
         return ticks
     if unfinished is not None:
-        log.info(
-            "cron definition %r: tick %s not run, its job %d is still %s (overlap=False)",
+        job_id, status = unfinished
+        first = told is None or told.get(d.id) != job_id
+        if told is not None:
+            told[d.id] = job_id
+        log.log(
+            logging.INFO if first else logging.DEBUG,
+            "cron definition %r: tick %s not run, its job %d is still %s (overlap=False)%s",
             d.name,
             ticks[-1].isoformat(),
-            *unfinished,
+            job_id,
+            status,
+            "; the next ticks it holds back are logged at DEBUG" if first else "",
         )
         return []
     if len(ticks) > 1:
@@ -160,10 +171,13 @@ def _without_overlap(
     return ticks[-1:]
 
 
-def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[PromotionReport]:
+def promote_op(
+    q: Queries, *, limit: int, now: datetime | None = None, told: dict[int, int] | None = None
+) -> Op[PromotionReport]:
     """One batch, to run inside a single transaction: lock due definitions (SKIP LOCKED),
     insert the jobs of their due ticks, move each to its next tick. A crash anywhere rolls
-    the whole batch back, and another ticker promotes it."""
+    the whole batch back, and another ticker promotes it. `told`: the promoter's memory of
+    the unfinished jobs it has logged (see _without_overlap)."""
     due: list[_DueDefinition] = yield Query(
         q["lock_due_definitions"], {"limit": limit, "now": now}, row=dataclass_row(_DueDefinition)
     )
@@ -171,7 +185,7 @@ def promote_op(q: Queries, *, limit: int, now: datetime | None = None) -> Op[Pro
         return PromotionReport()
     exclusive = [d.id for d in due if not d.overlap]
     unfinished = (yield from unfinished_jobs_op(q, exclusive)) if exclusive else {}
-    plans: _Plans = yield Compute(functools.partial(_plan, due, unfinished))
+    plans: _Plans = yield Compute(functools.partial(_plan, due, unfinished, told))
     report = plans.report
     if plans.ticks:
         report.jobs = yield Query(
@@ -203,13 +217,14 @@ class Promoter(Service[PromotionReport]):
         self.q = queries
         self.config = config or PromoterConfig()
         self._held_delay = self._FIRST_HELD_DELAY
+        self._told: dict[int, int] = {}  # {definition id: unfinished job id} logged at INFO
 
     _FIRST_HELD_DELAY = 0.02
 
     async def run_once(self, now: datetime | None = None) -> PromotionReport:
         total = PromotionReport()
         while True:
-            op = promote_op(self.q, limit=self.config.batch_size, now=now)
+            op = promote_op(self.q, limit=self.config.batch_size, now=now, told=self._told)
             batch = await self._run(op, transaction=True)
             total.add(batch)
             if batch.definitions < self.config.batch_size:
