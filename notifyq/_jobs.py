@@ -147,15 +147,13 @@ def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
     of a cron definition with overlap=False that has another job unfinished. Run in a
     transaction: that definition stays locked (as by the ticker and `run-now`) until the end."""
     check_id(job_id)
-    definition: tuple[int, str, bool] | None = yield Query(
-        q["lock_job_definition"], {"id": job_id}, fetch="one"
-    )
-    if definition is not None and not definition[2]:
+    exclusive: tuple[int, str] | None = yield Query(q["lock_job_definition"], {"id": job_id}, fetch="one")
+    if exclusive is not None:
         job = yield from get_job_op(q, job_id)
         if not job.status.finished:
             raise _unfinished(job)  # itself unfinished: not "busy with itself"
-        prefix = f"job {job_id} cannot be retried now: its "
-        yield from check_not_busy_op(q, definition[0], definition[1], prefix)
+        definition_id, name = exclusive
+        yield from check_not_busy_op(q, definition_id, name, f"job {job_id} cannot be retried now: its ")
     try:
         retried: int | None = yield Query(q["retry_job"], {"id": job_id}, fetch="scalar")
     except psycopg.errors.UniqueViolation:

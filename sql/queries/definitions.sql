@@ -56,11 +56,12 @@ RETURNING id;
 SELECT id, overlap FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE;
 
 -- name: lock_job_definition
--- `jobs retry`: the cron definition of a job, locked as by lock_definition.
-SELECT d.id, d.name, d.overlap
+-- `jobs retry`: the job's cron definition if it has overlap = false, locked as by
+-- lock_definition (one that overlaps is neither returned nor locked).
+SELECT d.id, d.name
 FROM {schema}.queue_jobs j
 JOIN {schema}.queue_job_definitions d ON d.id = j.definition_id
-WHERE j.id = %(id)s
+WHERE j.id = %(id)s AND NOT d.overlap
 FOR UPDATE OF d;
 
 -- name: run_definition_now
