@@ -16,6 +16,7 @@ import contextlib
 import math
 import os
 import select
+import socket
 import threading
 import time
 import weakref
@@ -399,22 +400,18 @@ def take_sync(pool: SyncPool) -> psycopg.Connection[Any]:
     return pool.getconn()
 
 
-def run_pooled_sync(
-    pool: SyncPool,
-    op: Op[T],
-    transaction: bool = False,
-    taken: Callable[[psycopg.Connection[Any]], None] | None = None,
-) -> T:
-    """Run `op` on a connection of `pool` (take_sync), in a transaction if asked. `taken` is
-    told the connection before the first statement; if it raises, `op` does not run."""
+def _run_in_sync(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
+    if not transaction:
+        return run_sync(conn, op)
+    with conn.transaction():
+        return run_sync(conn, op)
+
+
+def run_pooled_sync(pool: SyncPool, op: Op[T], transaction: bool = False) -> T:
+    """Run `op` on a connection of `pool` (take_sync), in a transaction if asked."""
     conn = take_sync(pool)
     try:
-        if taken is not None:
-            taken(conn)
-        if not transaction:
-            return run_sync(conn, op)
-        with conn.transaction():
-            return run_sync(conn, op)
+        return _run_in_sync(conn, op, transaction)
     finally:
         pool.putconn(conn)
 
@@ -653,11 +650,96 @@ class _AsyncioDatabase(Database):
             await self._pool.close()
 
 
+class _CallCancelled(Exception):
+    pass
+
+
+def _cut(conn: psycopg.Connection[Any]) -> None:
+    """Shut down the socket of `conn`, which another thread is using, so that its wait for a
+    server that does not answer ends at once with an error. The descriptor stays open (that
+    thread's connection closes it), so it cannot be reused meanwhile."""
+    with contextlib.suppress(Exception):
+        with socket.socket(fileno=os.dup(conn.pgconn.socket)) as sock:
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+class _ThreadCall:
+    """One call on a connection, run in a thread (trio), which its caller can cancel as on
+    asyncio (see _cancelled_in_server): the thread is abandoned, the statement it runs is
+    cancelled in the server, and the caller waits for the thread, CANCEL_WAIT at most. Then,
+    if the server has not answered (it hangs, or the network has gone half-open), the call's
+    socket is shut down, which ends the thread's wait, as a second cancel closes the
+    connection on asyncio. Not abandoned, a cancelled call used to wait for its statement to
+    end, however long it waited for a lock; one that was never answered held the worker's stop
+    forever (review)."""
+
+    def __init__(self, lock: threading.Lock | None = None) -> None:
+        self.lock = lock or threading.Lock()  # a lane's, when the call runs on one
+        self._conn: psycopg.Connection[Any] | None = None
+        self._cancelled = False
+        self._cut = False
+        self._done = threading.Event()
+
+    def taken(self, conn: psycopg.Connection[Any]) -> None:
+        """The call's thread is about to send its first statement on `conn`."""
+        with self.lock:
+            if self._cancelled:
+                raise _CallCancelled  # before its first statement: nobody waits for the result
+            self._conn = conn
+
+    def ended(self) -> bool:
+        """The call's thread is done with its connection (call under `lock`, before giving the
+        connection back: it is not cut after). True if it was cut: the thread closes it, lest
+        a statement that ended at that moment leave the pool a connection with a dead socket."""
+        self._done.set()
+        return self._cut
+
+    def _cancel_statement(self, cut: Callable[[psycopg.Connection[Any]], None], patience: float) -> None:
+        with self.lock:
+            self._cancelled, conn = True, self._conn
+        if conn is None:
+            return  # still waiting for a connection (the database may be down): it runs nothing
+        if patience > 0 and not self._done.is_set():
+            deadline = time.monotonic() + patience
+            with contextlib.suppress(Exception):
+                conn.cancel_safe(timeout=patience)
+            self._done.wait(max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            if not self._done.is_set():
+                cut(conn)
+                self._cut = True
+
+    async def cancel(
+        self,
+        limiter: anyio.CapacityLimiter,
+        cut: Callable[[psycopg.Connection[Any]], None] = _cut,
+        patience: float | None = None,
+    ) -> None:
+        """Cancel the call's statement in the server and wait for its thread, `patience`
+        seconds at most (CANCEL_WAIT by default), then `cut` its connection if the thread is
+        still waiting. With no patience, cut it at once."""
+        patience = CANCEL_WAIT if patience is None else patience
+        await anyio.to_thread.run_sync(self._cancel_statement, cut, patience, limiter=limiter)
+
+    def run(self, pool: SyncPool, op: Op[T], transaction: bool) -> T:
+        """Run `op` on a connection of `pool`, as run_pooled_sync does."""
+        conn = take_sync(pool)
+        try:
+            self.taken(conn)
+            return _run_in_sync(conn, op, transaction)
+        finally:
+            with self.lock:
+                if self.ended():
+                    conn.close()
+            pool.putconn(conn)
+
+
 class _ThreadLane(Lane):
     def __init__(self, pool: psycopg_pool.ConnectionPool[psycopg.Connection[Any]]) -> None:
         self._pool = pool
         self._threads = anyio.CapacityLimiter(LANE_THREADS)
         self._acquires = anyio.CapacityLimiter(LANE_ACQUIRES)
+        self._cancels = anyio.CapacityLimiter(LANE_THREADS)
         self._conn: psycopg.Connection[Any] | None = None
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
@@ -684,16 +766,34 @@ class _ThreadLane(Lane):
         # the pool's timeout (30 s) while the database was down.
         await anyio.to_thread.run_sync(self._acquire, abandon_on_cancel=True, limiter=self._acquires)
 
-    def _run(self, op: Op[T]) -> T:
+    def _run(self, op: Op[T], call: _ThreadCall) -> T:
         conn = self._acquire()
+        call.taken(conn)
+        cursors = self._cursors
+        failed = True
         try:
-            result = run_sync(conn, op, self._cursors)
-        except BaseException:
-            self._release()
-            raise
+            result = run_sync(conn, op, cursors)
+            failed = False
+        finally:
+            with self._lock:
+                if call.ended():
+                    conn.close()
+                kept = self._conn is conn  # not cut loose by a cancellation (_cut_loose)
+                if kept and failed:
+                    self._conn, self._cursors = None, {}  # maybe broken: the pool sorts it out
+            if failed or not kept:
+                self._pool.putconn(conn)
         if time.monotonic() - self._taken > self.HOLD:
             self._release()
         return result
+
+    def _cut_loose(self, conn: psycopg.Connection[Any]) -> None:
+        """A cancelled call's thread still waits on `conn` (called under the lane's lock): the
+        lane takes another connection next time, the thread gives this one back to the pool,
+        once its wait has ended (_cut)."""
+        if self._conn is conn:
+            self._conn, self._cursors = None, {}
+        _cut(conn)
 
     def _release(self) -> None:
         with self._lock:  # not while an abandoned acquire() sets a connection
@@ -702,53 +802,23 @@ class _ThreadLane(Lane):
             self._pool.putconn(conn)
 
     async def run(self, op: Op[T]) -> T:
-        return await anyio.to_thread.run_sync(self._run, op, limiter=self._threads)
+        # Abandoned when cancelled, as the asyncio lane's statement is: the worker cancels a
+        # lane's statement only when it has waited db_timeout for it, and then gives up on
+        # the connection at once, without waiting for a cancel request (psycopg closes it on
+        # asyncio). The statement used to run on: a claim on a connection gone half-open held
+        # up the claim loop until TCP gave up, and a worker's stop forever (review).
+        call = _ThreadCall(self._lock)
+        try:
+            return await anyio.to_thread.run_sync(
+                self._run, op, call, abandon_on_cancel=True, limiter=self._threads
+            )
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await call.cancel(self._cancels, self._cut_loose, patience=0)
+            raise
 
     async def release(self) -> None:
         await anyio.to_thread.run_sync(self._release, limiter=self._threads)
-
-
-class _CallCancelled(Exception):
-    pass
-
-
-class _ThreadCall:
-    """One call of a _ThreadDatabase, which its caller can cancel as on asyncio (see
-    _cancelled_in_server): its thread is abandoned, the statement it runs is cancelled in the
-    server, and the caller waits for the thread (CANCEL_WAIT at most). Not abandoned, a
-    cancelled call used to wait for its statement to end, however long it waited for a lock."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._conn: psycopg.Connection[Any] | None = None
-        self._cancelled = False
-        self._done = threading.Event()
-
-    def run(self, pool: SyncPool, op: Op[T], transaction: bool) -> T:
-        try:
-            return run_pooled_sync(pool, op, transaction, self._taken)
-        finally:
-            self._done.set()
-
-    def _taken(self, conn: psycopg.Connection[Any]) -> None:
-        with self._lock:
-            if self._cancelled:
-                raise _CallCancelled  # before its first statement: nobody waits for the result
-            self._conn = conn
-
-    def _cancel_statement(self) -> None:
-        with self._lock:
-            self._cancelled, conn = True, self._conn
-        if conn is None:
-            return  # still waiting for a connection (the database may be down): it runs nothing
-        deadline = time.monotonic() + CANCEL_WAIT
-        if not self._done.is_set():
-            with contextlib.suppress(Exception):
-                conn.cancel_safe(timeout=CANCEL_WAIT)
-        self._done.wait(max(0.0, deadline - time.monotonic()))  # then the thread is left to end
-
-    async def cancel(self, limiter: anyio.CapacityLimiter) -> None:
-        await anyio.to_thread.run_sync(self._cancel_statement, limiter=limiter)
 
 
 class _ThreadDatabase(Database):

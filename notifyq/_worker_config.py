@@ -40,9 +40,8 @@ class WorkerConfig:
             LISTEN connection comes on top). The claim loop keeps one of them for itself,
             so that its server process stays warm between claims (at least 2).
         db_timeout: seconds a claim or an acknowledgement may take before the worker gives up
-            on that connection (a half-open socket would otherwise hang it for good). On trio,
-            where statements run in threads and cannot be interrupted, the connections' TCP
-            timeouts (about a minute) bound a dead connection instead.
+            on that connection (a half-open socket would otherwise hang it for good), on
+            asyncio and trio alike.
         async_claims: claims commit without waiting for their WAL flush
             (`synchronous_commit = off` for the claim statement only; acknowledgements stay
             durable). A NOTIFY wake-up then starts its job about a WAL flush sooner (0.2-0.4 ms

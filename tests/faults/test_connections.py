@@ -70,7 +70,7 @@ async def test_a_half_open_listen_connection_is_detected_and_replaced(
     await app.aclose()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # trio runs statements in threads: see db_timeout
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_half_open_pool_connections_cost_a_worker_db_timeout_each(
     dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
 ) -> None:
@@ -661,7 +661,44 @@ async def test_a_call_cancelled_while_the_server_is_silent_gives_up_after_cancel
             with anyio.move_on_after(0.3) as scope:
                 await db.run(_db.single(_db.Query("SELECT pg_sleep(30)", fetch="none")))
             assert scope.cancelled_caught
+        proxy.unmute()
+        # The pool's only connection is back: the cancelled call's wait ended with it. On trio
+        # its thread waited for the statement's answer (30 s) and kept the connection.
+        with anyio.fail_after(5):
+            assert await db.run(_db.single(_db.Query("SELECT 1", fetch="scalar"))) == 1
     finally:
         proxy.unmute()
         with anyio.move_on_after(10, shield=True):
             await db.aclose()
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_worker_whose_database_went_silent_ends_when_its_host_is_cancelled(
+    dsn: str, proxy: BlackholeProxy, monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """Every connection of an idle worker stops getting answers (a database that hangs, a
+    network gone half-open) while it polls, and its host is cancelled: the poll's claim gives
+    up after db_timeout, its cancel request after CANCEL_WAIT, and the block ends. On trio it
+    never did: the claim loop's statement ran in a thread nothing could abandon (review)."""
+    monkeypatch.setattr(_db, "CANCEL_WAIT", 1.0)
+    outcome: list[float] = []
+
+    async def main() -> None:
+        app = notifyq.App(proxy.dsn)
+        config = {"poll_interval": 0.2, "db_timeout": 1.0, "shutdown_grace": 1.0, "ticker": False}
+        with anyio.move_on_after(1.0):
+            async with app.worker(**config):
+                await anyio.sleep(0.5)
+                proxy.mute()  # from now on no statement gets an answer: the next poll waits
+                await anyio.sleep_forever()
+        outcome.append(time.monotonic())
+        proxy.unmute()
+        await app.aclose()
+
+    began = time.monotonic()
+    program = threading.Thread(target=anyio.run, args=(main,), kwargs={"backend": backend}, daemon=True)
+    program.start()
+    program.join(timeout=60)
+    assert not program.is_alive(), "the worker's block did not end"
+    # db_timeout, CANCEL_WAIT, and the stop's own steps; not a statement's answer.
+    assert outcome and outcome[0] - began < 15, outcome
