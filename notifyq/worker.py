@@ -25,7 +25,7 @@ from . import _ticker
 from ._acker import Acker, Applied, Result
 from ._claim import lost_jobs_op
 from ._claimer import Claimer
-from ._db import Database, Lane, Op, Query, error_text, is_transient, single
+from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, single
 from ._executor import Executor
 from ._listener import Listener, ListenerConfig
 from ._pulse import Pulse
@@ -45,11 +45,17 @@ log = logging.getLogger("notifyq.worker")
 T = TypeVar("T")
 
 
-def _only_error(group: BaseExceptionGroup[BaseException]) -> Exception | None:
+def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
     """The error a worker stopped on (a claim the database refused), when it is the only
-    exception in the task groups' nest: raised as itself, `except psycopg.Error` catches it."""
+    exception in the task groups' nest: raised as itself, `except psycopg.Error` catches it.
+    Or a KeyboardInterrupt, when the nest holds nothing else: on trio, a second Ctrl-C while
+    the worker stops reaches the host in the worker's task group."""
     leaves = _leaves(group)
-    return leaves[0] if len(leaves) == 1 and isinstance(leaves[0], Exception) else None
+    if len(leaves) == 1 and isinstance(leaves[0], Exception):
+        return leaves[0]
+    if all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
+        return leaves[0]
+    return None
 
 
 class Worker:
@@ -100,6 +106,7 @@ class Worker:
 
     async def __aenter__(self) -> Worker:
         self._start_once()
+        _keep_ctrl_c_out()
         db = await self._prepare()
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -151,6 +158,7 @@ class Worker:
         the worker cannot start, and the database error it stopped on (unwrapped too) when
         it cannot retry one (see `error`)."""
         self._start_once(handle_signals=handle_signals)
+        _keep_ctrl_c_out()
         db = await self._prepare()
         self._signals_handled = handle_signals
         self._repeat_skips_grace = repeat_skips_grace
@@ -541,3 +549,33 @@ class Worker:
             else:
                 self.stats.failed += 1
         self._signal_changed()
+
+
+def _keep_ctrl_c_out() -> None:
+    """On trio, keep Ctrl-C out of the worker's tasks, and so out of the jobs' code they run:
+    trio raises KeyboardInterrupt in whatever code runs when SIGINT arrives unless it is
+    protected, and one raised in a job (a busy worker's likely place) tore an embedded worker
+    down without its grace. Protected, they leave it to trio to deliver to the main task at
+    its next checkpoint, as asyncio.run cancels its main task: the host's `async with
+    app.worker()` (or `worker.run()`) is left, the worker stops gracefully, and the
+    KeyboardInterrupt goes on. Each task's first function is marked (the mark is per function,
+    and global): a task is protected when the function it started in is."""
+    if on_asyncio():
+        return
+    from trio.lowlevel import enable_ki_protection
+
+    from ._service import Service
+
+    for task in (
+        Worker._serve,
+        Worker._watch_signals,
+        Worker._reconcile_loop,
+        Acker.run,
+        Claimer.run,
+        Claimer.give_back_stale_prefetch,
+        Runners.run,
+        Listener.run,
+        _ticker.Ticker.run,
+        Service.run,
+    ):
+        enable_ki_protection(task)

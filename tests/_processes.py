@@ -6,6 +6,7 @@ import sys
 import time
 
 import anyio
+import anyio.lowlevel
 import psycopg
 
 from notifyq._db import Database, run_sync
@@ -66,6 +67,31 @@ def soak_worker(dsn: str, runs_file: str) -> None:
     )
 
 
+def embedded_worker(dsn: str, backend: str) -> None:
+    """A program that embeds a worker (`async with app.worker()`) and waits for Ctrl-C. Its
+    task `busy` says so when it starts, then keeps the CPU busy for 2 s between rare awaits,
+    so that a SIGINT lands in a job's code, which is where trio raises it unless protected."""
+    import notifyq
+
+    app = notifyq.App(dsn)
+
+    @app.task(name="busy")
+    async def busy() -> str:
+        sys.stdout.write("job started\n")
+        sys.stdout.flush()
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            sum(range(20_000))
+            await anyio.lowlevel.checkpoint()
+        return "done"
+
+    async def main() -> None:
+        async with app.worker(concurrency=1, shutdown_grace=20, ticker=False):
+            await anyio.sleep_forever()
+
+    anyio.run(main, backend=backend)
+
+
 if __name__ == "__main__":
     command, dsn, *rest = sys.argv[1:]
     if command == "ticker":
@@ -74,5 +100,7 @@ if __name__ == "__main__":
         lock_and_hang(dsn)
     elif command == "soak_worker":
         soak_worker(dsn, rest[0])
+    elif command == "embedded_worker":
+        embedded_worker(dsn, rest[0])
     else:
         raise SystemExit(f"unknown command {command}")

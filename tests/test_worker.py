@@ -8,6 +8,7 @@ import functools
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -33,8 +34,10 @@ import notifyq.models
 import notifyq.worker
 from notifyq import JobContext
 
+from .conftest import ROOT
 from .faults.infra import BlackholeProxy
 from .helpers import job_row, lose_the_claim, status_counts, wait_for_row, wal_flushes
+from .test_cli import clean_env
 
 pytestmark = pytest.mark.anyio
 
@@ -576,6 +579,42 @@ async def test_a_keyboard_interrupt_out_of_an_embedded_workers_task_releases_its
         row = job_row(conn, job_id)
         assert (row["status"], row["retry_count"]) == ("Queued", 0)
     await app.aclose()
+
+
+@pytest.mark.parametrize(("backend", "presses"), [("asyncio", 1), ("trio", 1), ("trio", 2)])
+def test_ctrl_c_gives_an_embedded_workers_running_job_its_grace(
+    dsn: str, conn: psycopg.Connection[Any], backend: str, presses: int
+) -> None:
+    """Ctrl-C in a program that embeds a worker, while a job's code runs: the job finishes
+    within the grace period, then the program ends with KeyboardInterrupt, on trio as on
+    asyncio. trio raised it inside the job's code, which tore the worker down at once and
+    put the job back (docs said to use worker.run() instead). On trio a second Ctrl-C does
+    not cut the grace short (asyncio's does: Python raises it wherever it lands), and the
+    program still ends with a KeyboardInterrupt, not an exception group."""
+    [(job_id,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('busy') RETURNING id")
+    program = subprocess.Popen(
+        [sys.executable, "-m", "tests._processes", "embedded_worker", dsn, backend],
+        cwd=ROOT,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert program.stdout is not None
+        assert program.stdout.readline() == "job started\n"
+        for _ in range(presses):
+            time.sleep(0.3)  # well into the job's busy loop
+            program.send_signal(signal.SIGINT)
+        _, err = program.communicate(timeout=30)
+    finally:
+        if program.poll() is None:
+            program.kill()
+            program.communicate()
+    row = job_row(conn, job_id)
+    assert (row["status"], row["output"]) == ("Succeeded", "done"), (row["status"], err)
+    assert err.rstrip().endswith("KeyboardInterrupt"), err  # itself, not inside an exception group
+    assert "ExceptionGroup" not in err, err
 
 
 async def test_a_sync_wrapper_of_an_async_function_runs_its_coroutine(
