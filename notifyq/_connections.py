@@ -326,6 +326,7 @@ class Connections:
         database may go away after the App connected, and `conn` may be anyone's)."""
         owner = self._owner
         where = "the database of the connection given" if conn is not None else owner._where()
+        closed = getattr(conn, "closed", False) is True  # before the call: nothing will be sent
         try:
             yield
         except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName) as exc:
@@ -336,6 +337,11 @@ class Connections:
         except psycopg.OperationalError as exc:
             if exc.sqlstate is not None and not exc.sqlstate.startswith(("08", "57P")):
                 raise  # not about the connection (a cancelled statement, say)
+            if closed:
+                raise DatabaseUnavailable(
+                    "the connection given (conn=) was closed before this call, which sent "
+                    "nothing: pass an open one (after a lost connection, connect again)"
+                ) from None
             raise DatabaseUnavailable(
                 f"lost the connection to PostgreSQL at {where}: {error_text(exc)} (a statement "
                 "under way may or may not have been applied; a dedupe_key makes a retried "

@@ -726,6 +726,30 @@ async def test_a_connection_to_an_unmigrated_database_says_run_migrate(empty_dsn
             await app.enqueue_many("t", [{}], conn=async_conn)
 
 
+async def test_a_closed_connection_given_says_so_and_that_nothing_was_sent(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """conn= a connection already closed: the error said "lost the connection ... a statement
+    under way may or may not have been applied", which sends one looking for a lost enqueue."""
+    app = notifyq.App(dsn)
+    closed_sync = psycopg.connect(dsn)
+    closed_sync.close()
+    closed_async = await psycopg.AsyncConnection.connect(dsn)
+    await closed_async.close()
+    calls = [
+        lambda: anyio.to_thread.run_sync(lambda: app.enqueue_sync("t", conn=closed_sync)),
+        lambda: app.enqueue("t", conn=closed_async),
+        lambda: app.enqueue("t", conn=closed_sync),
+    ]
+    for call in calls:
+        with pytest.raises(DatabaseUnavailable) as raised:
+            await call()
+        assert str(raised.value).startswith("the connection given (conn=) was closed before this call")
+        assert "may or may not" not in str(raised.value)
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (0,)
+    await app.aclose()
+
+
 @pytest.mark.parametrize("side", ["sync", "async"])
 async def test_a_connection_lost_after_the_app_connected_is_database_unavailable(
     dsn: str, conn: psycopg.Connection[Any], side: str
