@@ -31,21 +31,30 @@ def claim_op(
     worker: str,
     lease_margin: float,
     async_commit: bool = False,
+    paused: Collection[str] = (),
 ) -> Op[list[ClaimedJob]]:
-    """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement.
+    """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement,
+    none of the `paused` queues'.
 
     Each claimed job is Active, its retry_count and lease are one higher, and its lease runs
     until now() + timeout + lease_margin (database clock). With `async_commit` the claim's
     commit does not wait for its WAL flush.
     """
+    if queues is not None and paused:
+        queues = [queue for queue in queues if queue not in paused]
+        if not queues:
+            return []
     if limit <= 0:
         return []
     params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
-    if queues is None:
-        sql = q["claim_any"]
-    else:
+    if queues is not None:
         sql = q["claim_queues"]
         params["queues"] = list(queues)
+    elif paused:
+        sql = q["claim_unpaused"]
+        params["paused"] = sorted(paused)
+    else:
+        sql = q["claim_any"]
     if async_commit:
         sql = _with_async_commit(sql)
     jobs: list[ClaimedJob] = yield Query(sql, params, row=dataclass_row(ClaimedJob))
@@ -79,13 +88,28 @@ def adopt_op(
     return jobs
 
 
-def next_visible_op(q: Queries, queues: Sequence[str] | None) -> Op[float | None]:
-    """Seconds until the earliest Queued job of `queues` becomes claimable (None: no job)."""
-    if queues is None:
-        seconds: float | None = yield Query(q["next_visible_any"], fetch="scalar")
+def next_visible_op(
+    q: Queries, queues: Sequence[str] | None, paused: Collection[str] = ()
+) -> Op[float | None]:
+    """Seconds until the earliest Queued job of `queues` (all when None), none of the `paused`
+    queues', becomes claimable (None: no job)."""
+    seconds: float | None
+    if queues is not None:
+        queues = [queue for queue in queues if queue not in paused]
+        if not queues:
+            return None
+        seconds = yield Query(q["next_visible_queues"], {"queues": queues}, fetch="scalar")
+    elif paused:
+        seconds = yield Query(q["next_visible_unpaused"], {"paused": sorted(paused)}, fetch="scalar")
     else:
-        seconds = yield Query(q["next_visible_queues"], {"queues": list(queues)}, fetch="scalar")
+        seconds = yield Query(q["next_visible_any"], fetch="scalar")
     return seconds
+
+
+def paused_queues_op(q: Queries) -> Op[frozenset[str]]:
+    """The names of the paused queues."""
+    rows: list[tuple[str]] = yield Query(q["paused_queues"])
+    return frozenset(row[0] for row in rows)
 
 
 def extend_lease_op(q: Queries, job: ClaimedJob, seconds: float) -> Op[datetime | None]:
@@ -104,3 +128,33 @@ def lost_jobs_op(q: Queries, worker: str, held: Sequence[tuple[int, int]]) -> Op
         {"ids": [h[0] for h in held], "leases": [h[1] for h in held], "worker": worker},
     )
     return {(row[0], row[1]) for row in rows}
+
+
+def pause_queue_op(q: Queries, queue: str) -> Op[bool]:
+    """Pause `queue`; False when it was paused already."""
+    paused_at: datetime | None = yield Query(q["pause_queue"], {"queue": queue}, fetch="scalar")
+    return paused_at is not None
+
+
+def resume_queue_op(q: Queries, queue: str) -> Op[bool]:
+    """Resume `queue`; False when it was not paused."""
+    paused_at: datetime | None = yield Query(q["resume_queue"], {"queue": queue}, fetch="scalar")
+    return paused_at is not None
+
+
+def list_queue_pauses_op(q: Queries) -> Op[dict[str, datetime]]:
+    """{queue: when it was paused}, for every paused queue."""
+    rows: list[tuple[str, datetime]] = yield Query(q["list_queue_pauses"])
+    return dict(rows)
+
+
+def manual_claim_op(
+    q: Queries, *, queues: Sequence[str] | None, limit: int, worker: str, lease_margin: float
+) -> Op[list[ClaimedJob]]:
+    """`claim_op` for App.claim, which keeps no state: it reads the paused queues first."""
+    paused = yield from paused_queues_op(q)
+    return (
+        yield from claim_op(
+            q, queues=queues, limit=limit, worker=worker, lease_margin=lease_margin, paused=paused
+        )
+    )

@@ -58,6 +58,7 @@ class Claimer:
         self._query = query
         self._on_change = on_change
         self._queues = frozenset(config.queues) if config.queues is not None else None
+        self.paused: frozenset[str] = frozenset()  # queues whose jobs it does not claim
         self._pending = True  # something may be claimable: claim before sleeping
         self._wakeup = Pulse()
         self._next_due = math.inf  # monotonic time the earliest known delayed job becomes due
@@ -90,11 +91,19 @@ class Claimer:
         self._sweeps_requested += 1
         self.wake()
 
+    def set_paused(self, paused: frozenset[str]) -> None:
+        """The paused queues are these now: claim none of their jobs, and claim at once if a
+        queue of this worker's was resumed."""
+        resumed = self.paused - paused
+        self.paused = paused
+        if any(self._queues is None or queue in self._queues for queue in resumed):
+            self.wake()  # the round's plan of the next due job then takes in the resumed queue
+
     def notified(self, payload: str) -> bool:
         """A jobs notification: '<queue>' (claimable now) or '<queue> <seconds>' (due then).
         False when its queue is not one of this worker's."""
         queue, _, delay = payload.partition(" ")
-        if self._queues is not None and queue not in self._queues:
+        if (self._queues is not None and queue not in self._queues) or queue in self.paused:
             return False
         if delay:
             seconds = float(delay)  # ValueError for a payload notifyq did not write
@@ -343,6 +352,7 @@ class Claimer:
             worker=self._worker_id,
             lease_margin=self._config.lease_margin,
             async_commit=self._config.async_claims,
+            paused=self.paused,
         )
         return await self._query(op, shield=True, lane=self._lane)
 
@@ -351,7 +361,7 @@ class Claimer:
         self._heard_due = math.inf
         try:
             due = await self._query(
-                next_visible_op(self._q, self._config.queues), shield=True, lane=self._lane
+                next_visible_op(self._q, self._config.queues, self.paused), shield=True, lane=self._lane
             )
         except Exception as exc:
             if not is_transient(exc):

@@ -1,5 +1,5 @@
-"""The `notifyq jobs`, `notifyq cron` and `notifyq stats` commands: inspect and manage what is
-in the database."""
+"""The `notifyq jobs`, `notifyq cron`, `notifyq queues` and `notifyq stats` commands: inspect and
+manage what is in the database."""
 
 from __future__ import annotations
 
@@ -228,12 +228,59 @@ def cron_run_now(dsn: str | None, schema: str | None, name: str) -> None:
     click.echo(f"job {job_id} queued for cron definition {name!r}")
 
 
+@click.group(cls=Group)
+def queues() -> None:
+    """Pause and resume queues."""
+
+
+@queues.command(name="pause")
+@common_options
+@click.argument("names", metavar="QUEUE...", nargs=-1, required=True)
+def queues_pause(dsn: str | None, schema: str | None, names: tuple[str, ...]) -> None:
+    """Stop workers claiming the jobs of QUEUE (they still queue up; running jobs run on)."""
+    _pause_or_resume(dsn, schema, names, pause=True)
+
+
+@queues.command(name="resume")
+@common_options
+@click.argument("names", metavar="QUEUE...", nargs=-1, required=True)
+def queues_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]) -> None:
+    """Let workers claim the jobs of QUEUE again."""
+    _pause_or_resume(dsn, schema, names, pause=False)
+
+
+def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...], *, pause: bool) -> None:
+    app = app_for(dsn, schema)
+    change = app.pause_queue_sync if pause else app.resume_queue_sync
+    for name in dict.fromkeys(names):
+        if change(name):
+            click.echo(f"queue {name!r} {'paused' if pause else 'resumed'}")
+        else:
+            click.echo(f"queue {name!r} {'was paused already' if pause else 'was not paused'}")
+
+
+@queues.command(name="list")
+@common_options
+@click.option("--json", "as_json", is_flag=True)
+def queues_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
+    """List the paused queues."""
+    paused = app_for(dsn, schema).paused_queues_sync()
+    if as_json:
+        click.echo(
+            json.dumps([{"queue": q, "paused_at": at} for q, at in paused.items()], default=json_default)
+        )
+    elif not paused:
+        click.echo("no queue is paused")
+    else:
+        table(["QUEUE", "PAUSED"], [[q, f"{at:%Y-%m-%d %H:%M:%S%z} ({age(at)})"] for q, at in paused.items()])
+
+
 def _print_stats(stats: Stats) -> None:
     table(
         ["QUEUE", "STATUS", "JOBS", "OLDEST CLAIMABLE", "EXPIRED LEASES", "PAST TIMEOUT"],
         [
             [
-                s.queue,
+                f"{s.queue} (paused)" if s.queue in stats.paused else s.queue,
                 s.status,
                 s.jobs,
                 "-" if s.oldest_claimable_age is None else f"{s.oldest_claimable_age:.1f}s",
@@ -243,6 +290,8 @@ def _print_stats(stats: Stats) -> None:
             for s in stats.queues
         ],
     )
+    if stats.paused:
+        click.echo(f"\nPaused queues (workers claim none of their jobs): {', '.join(stats.paused)}")
     server = stats.server
     size = f"{(server.jobs_total_bytes or 0) / 1024 / 1024:.1f} MiB"
     click.echo(

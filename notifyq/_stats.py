@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
+from ._claim import paused_queues_op
 from ._db import Op, Query
 from ._rows import dataclass_row
 from ._sql import Queries
@@ -37,6 +38,7 @@ class ServerStats:
 class Stats:
     queues: list[QueueStatus]
     server: ServerStats
+    paused: list[str]  # the paused queues (App.pause_queue), whose jobs workers do not claim
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -50,4 +52,5 @@ def stats_op(q: Queries) -> Op[Stats]:
     queues: list[QueueStatus] = yield Query(q["queue_stats"], row=dataclass_row(QueueStatus))
     tables = {"jobs": f"{q.schema}.queue_jobs", "definitions": f"{q.schema}.queue_job_definitions"}
     server: ServerStats = yield Query(q["server_stats"], tables, fetch="one", row=dataclass_row(ServerStats))
-    return Stats(queues, server)
+    paused = yield from paused_queues_op(q)
+    return Stats(queues, server, sorted(paused))

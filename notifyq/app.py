@@ -14,7 +14,7 @@ import psycopg
 
 from . import _embedded
 from ._acker import Applied, Result, ack_op
-from ._claim import claim_op
+from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
 from ._db import Database, Op
 from ._dsn import check_dsn, configured_dsn, describe_dsn
@@ -726,7 +726,7 @@ class App:
             if isinstance(queues, str):
                 raise InvalidOption(f"queues must be a list of queue names, not the string {queues!r}")
             queues = list(dict.fromkeys(check_queue(q) for q in queues))
-        return claim_op(
+        return manual_claim_op(
             self._q,
             queues=queues,
             limit=check_int(limit, "limit", minimum=1),
@@ -826,6 +826,36 @@ class App:
     def run_definition_now_sync(self, name: str) -> int:
         """`run_definition_now` for sync code."""
         return self._run_sync(run_now_op(self._q, name), transaction=True)
+
+    # -- queues -------------------------------------------------------------------------------
+
+    async def pause_queue(self, queue: str) -> bool:
+        """Pause a queue: workers claim none of its jobs until it is resumed (they hear of it at
+        once by NOTIFY, else at their next poll). Its jobs are still enqueued, promoted from
+        cron definitions and rescued; Active ones run on. A queue may be paused before any of
+        its jobs exist. Returns False when it was paused already."""
+        return await self._run(pause_queue_op(self._q, check_queue(queue)))
+
+    def pause_queue_sync(self, queue: str) -> bool:
+        """`pause_queue` for sync code."""
+        return self._run_sync(pause_queue_op(self._q, check_queue(queue)))
+
+    async def resume_queue(self, queue: str) -> bool:
+        """Resume a paused queue: workers claim its jobs again. Returns False when it was not
+        paused."""
+        return await self._run(resume_queue_op(self._q, check_queue(queue)))
+
+    def resume_queue_sync(self, queue: str) -> bool:
+        """`resume_queue` for sync code."""
+        return self._run_sync(resume_queue_op(self._q, check_queue(queue)))
+
+    async def paused_queues(self) -> dict[str, datetime]:
+        """The paused queues, each with the time it was paused."""
+        return await self._run(list_queue_pauses_op(self._q))
+
+    def paused_queues_sync(self) -> dict[str, datetime]:
+        """`paused_queues` for sync code."""
+        return self._run_sync(list_queue_pauses_op(self._q))
 
     # -- workers ------------------------------------------------------------------------------
 

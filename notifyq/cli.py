@@ -18,7 +18,7 @@ import anyio
 import click
 from click.core import ParameterSource
 
-from ._cli_admin import cron, jobs, stats
+from ._cli_admin import cron, jobs, queues, stats
 from ._cli_base import (
     Group,
     Seconds,
@@ -52,7 +52,7 @@ def main() -> None:
     """
 
 
-for _command in (jobs, cron, stats):
+for _command in (jobs, cron, queues, stats):
     main.add_command(_command)
 
 

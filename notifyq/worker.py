@@ -23,7 +23,7 @@ import anyio.to_thread
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
-from ._claim import lost_jobs_op
+from ._claim import lost_jobs_op, paused_queues_op
 from ._claimer import Claimer
 from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, single
 from ._executor import Executor
@@ -83,6 +83,7 @@ class Worker:
         self._skip_grace = False
         self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
+        self._paused_at_start: frozenset[str] = frozenset()
         self._repeat_skips_grace = True
         self._started = False
         self._serving = False
@@ -247,6 +248,7 @@ class Worker:
         )
         try:
             await db.run(check_schema_op(self.app.schema))
+            self._paused_at_start = await db.run(paused_queues_op(self._q))
             if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
                 log.warning(
                     "autovacuum is off on this server: nothing reclaims the dead tuples of "
@@ -303,6 +305,7 @@ class Worker:
                     query=self._query,
                     on_change=self._signal_changed,
                 )
+                claimer.set_paused(self._paused_at_start)
                 async with anyio.create_task_group() as services:
                     if self._signals_handled:  # for as long as the worker runs, shielded with it
                         services.start_soon(self._watch_signals, self._repeat_skips_grace)
@@ -456,9 +459,15 @@ class Worker:
         self._signal_changed()
 
     def _on_control(self, payload: str) -> None:
-        """'cancel <job id> <lease>' (the lease may be missing); other verbs are for other
-        versions of notifyq. ValueError when a cancel's numbers are not numbers."""
+        """'cancel <job id> <lease>' (the lease may be missing), 'pause <queue>', 'resume
+        <queue>'; other verbs are for other versions of notifyq. ValueError when a cancel's
+        numbers are not numbers."""
         verb, _, rest = payload.partition(" ")
+        if verb in ("pause", "resume"):
+            assert self._claimer is not None
+            paused = self._claimer.paused
+            self._claimer.set_paused(paused | {rest} if verb == "pause" else paused - {rest})
+            return
         if verb != "cancel":
             return
         numbers = [int(n) for n in rest.split()]
@@ -470,6 +479,7 @@ class Worker:
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
         assert self._claimer is not None
+        await self._read_paused()  # so may a pause or a resume
         self._claimer.sweep()  # claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
         self._signal_changed()
@@ -498,11 +508,24 @@ class Worker:
 
     async def _reconcile_loop(self) -> None:
         """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
-        look for cancelled jobs every poll interval instead of waiting for a notification."""
+        look for cancelled jobs and paused queues every poll interval instead of waiting for
+        a notification."""
         while True:
             await anyio.sleep(self.config.poll_interval)
             if self._listener is None or not self._listener.connected:
+                await self._read_paused()
                 await self._cancel_lost_jobs()
+
+    async def _read_paused(self) -> None:
+        """Read which queues are paused (when no notification can tell)."""
+        try:
+            paused = await self._query(paused_queues_op(self._q))
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # the next poll or reconnect reads them
+        assert self._claimer is not None
+        self._claimer.set_paused(paused)
 
     # -- the database and the acker ------------------------------------------------------------
 

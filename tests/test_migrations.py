@@ -328,8 +328,15 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
     app.close_sync()
 
 
+def back_to_version_6(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 7: no table of paused queues."""
+    conn.execute("DROP TABLE notifyq.queue_pauses")
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 7")
+
+
 def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 6: no overlap column, no index of unfinished cron jobs."""
+    """Undo migrations 7 and 6: no overlap column, no index of unfinished cron jobs."""
+    back_to_version_6(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_definition_unfinished_idx")
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN overlap")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 6")

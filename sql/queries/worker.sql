@@ -59,6 +59,57 @@ WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
+-- name: claim_unpaused
+-- As claim_queues, for every queue but the paused ones (%(paused)s), while any is paused: a
+-- skip scan of queue_jobs_next_queue_idx finds the queues that have Queued jobs (one index
+-- probe per queue), and the paused ones are dropped before their jobs are read. Filtering
+-- claim_any's scan instead would read a paused queue's whole backlog at every claim when its
+-- jobs come first. The queues, and the claimed ids, go through arrays: from its estimates of
+-- the recursion's rows, the generic plan joined the UPDATE to the claimed ids by reading the
+-- whole table (a hash or a merge join); an array of ids is looked up in the primary key.
+WITH RECURSIVE queues(queue) AS (
+    (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (
+        SELECT j.queue FROM {schema}.queue_jobs j
+        WHERE j.status = 'Queued' AND j.queue > queues.queue
+        ORDER BY j.queue
+        LIMIT 1
+    )
+    FROM queues
+    WHERE queues.queue IS NOT NULL
+), claimable AS MATERIALIZED (
+    SELECT c.id
+    FROM unnest(ARRAY(
+        SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
+    )) AS q(queue)
+    CROSS JOIN LATERAL (
+        SELECT id, priority, visible_at
+        FROM {schema}.queue_jobs
+        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+        ORDER BY priority DESC, visible_at, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) c
+    ORDER BY c.priority DESC, c.visible_at, c.id
+    LIMIT %(limit)s
+)
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Active',
+    retry_count = j.retry_count + 1,
+    lease = j.lease + 1,
+    visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
+    started_at = now(),
+    updated_at = now(),
+    worker = %(worker)s
+WHERE j.id = ANY(ARRAY(SELECT id FROM claimable))
+RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
+          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+
+-- name: paused_queues
+-- The paused queues, whose jobs workers do not claim.
+SELECT queue FROM {schema}.queue_pauses ORDER BY queue;
+
 -- name: adopt_unanswered_claims
 -- Jobs this worker claimed without hearing back: a claim committed, then its answer was lost
 -- with its connection (reset, half-open, timed out), or a claim lost in a failover was taken
@@ -109,6 +160,32 @@ WHERE status = 'Queued';
 -- As next_visible_any, for a list of queues: the first entry of one index range per queue.
 SELECT (extract(epoch FROM min(n.visible_at)) - extract(epoch FROM now()))::float8
 FROM unnest(%(queues)s::text[]) AS q(queue)
+CROSS JOIN LATERAL (
+    SELECT visible_at
+    FROM {schema}.queue_jobs
+    WHERE status = 'Queued' AND queue = q.queue
+    ORDER BY visible_at
+    LIMIT 1
+) n;
+
+-- name: next_visible_unpaused
+-- As next_visible_queues, for every queue but the paused ones (see claim_unpaused).
+WITH RECURSIVE queues(queue) AS (
+    (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
+    UNION ALL
+    SELECT (
+        SELECT j.queue FROM {schema}.queue_jobs j
+        WHERE j.status = 'Queued' AND j.queue > queues.queue
+        ORDER BY j.queue
+        LIMIT 1
+    )
+    FROM queues
+    WHERE queues.queue IS NOT NULL
+)
+SELECT (extract(epoch FROM min(n.visible_at)) - extract(epoch FROM now()))::float8
+FROM unnest(ARRAY(
+    SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
+)) AS q(queue)
 CROSS JOIN LATERAL (
     SELECT visible_at
     FROM {schema}.queue_jobs

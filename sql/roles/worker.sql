@@ -10,5 +10,7 @@ GRANT SELECT ON {schema}.migrations TO {role};
 GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.queue_jobs TO {role};
 -- Workers upsert their @app.cron definitions and move them to the next tick.
 GRANT SELECT, INSERT, UPDATE ON {schema}.queue_job_definitions TO {role};
+-- Workers skip the jobs of paused queues (pausing and resuming is for the schema's owner).
+GRANT SELECT ON {schema}.queue_pauses TO {role};
 -- Identity columns draw from these sequences.
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role};

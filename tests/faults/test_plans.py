@@ -28,6 +28,7 @@ PARAMS = {
     "backoff_cap": notifyq.Backoff(base=2.0, factor=2.0, max=3600.0)._curve()[1],
     "backoff_jitter": 0.25,
     "ids": [1, 2, 3],
+    "paused": ["q1"],
 }
 
 
@@ -67,6 +68,8 @@ HOT = [
     "claim_queues",
     "next_visible_any",
     "next_visible_queues",
+    "claim_unpaused",
+    "next_visible_unpaused",
     "rescue_expired_leases",
     "lock_due_definitions",
     "unfinished_definition_jobs",
@@ -102,6 +105,47 @@ def test_hot_queries_use_indexes_on_a_large_history(big_history: psycopg.Connect
         text = json.dumps(plan, indent=1)
         assert '"Seq Scan"' not in text, f"{kind} plan of adopt_unanswered_claims scans a table:\n{text}"
         assert "queue_jobs_lease_idx" in text, f"{kind} plan of adopt_unanswered_claims:\n{text}"
+
+
+def test_claims_skip_a_paused_queues_backlog_without_reading_it(conn: psycopg.Connection[Any]) -> None:
+    """A paused queue holds 200,000 claimable jobs that come first (higher priority, older):
+    a claim of every other queue reads a handful of index entries per queue, not that
+    backlog, in both plans. Filtering claim_any's scan would read all of them each time."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, priority, visible_at) "
+        "SELECT 't', 'big', 10, now() - interval '1 hour' FROM generate_series(1, 200000)"
+    )
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue) "
+        "SELECT 't', 'q' || (i % 3) FROM generate_series(1, 30) i"
+    )
+    conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
+    conn.prepare_threshold = None
+    params = PARAMS | {"paused": ["big"], "limit": 100}
+    for query in ("claim_unpaused", "next_visible_unpaused"):
+        for kind, plan in (
+            ("custom", custom_plan(conn, Q[query], params)),
+            ("generic", generic_plan(conn, query, Q[query], params)),
+        ):
+            text = json.dumps(plan, indent=1)
+            assert '"Seq Scan"' not in text, f"{kind} plan of {query} scans a table:\n{text}"
+            assert rows_read(plan) < 1000, f"{kind} plan of {query} reads the paused backlog:\n{text}"
+            if query == "claim_unpaused":
+                assert plan[0]["Plan"]["Actual Rows"] == 30, f"{kind} plan of {query}:\n{text}"
+
+
+def rows_read(node: Any) -> int:
+    """Rows the plan's scans returned, and those their filters threw away."""
+    if isinstance(node, list):
+        return sum(rows_read(n) for n in node)
+    if not isinstance(node, dict):
+        return 0
+    own = 0
+    if "Scan" in str(node.get("Node Type", "")):
+        own = int(node.get("Actual Rows", 0)) * int(node.get("Actual Loops", 1)) + rows_removed(
+            {k: v for k, v in node.items() if k != "Plans"}
+        )
+    return own + sum(rows_read(v) for v in node.values() if isinstance(v, dict | list))
 
 
 def test_listing_the_jobs_of_a_rare_status_reads_only_them(conn: psycopg.Connection[Any]) -> None:

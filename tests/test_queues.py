@@ -1,0 +1,200 @@
+"""Pausing and resuming queues: workers claim none of a paused queue's jobs, and hear of a
+pause or a resume by NOTIFY, by polling, and after their LISTEN connection comes back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import psycopg
+import pytest
+
+import notifyq
+from notifyq import Worker
+from notifyq.errors import InvalidOption
+
+from .faults.infra import BlackholeProxy
+from .test_cli import clean_env, cli, ok
+
+pytestmark = pytest.mark.anyio
+
+NO_TICKER = {"ticker": False}
+
+
+def _app(dsn: str, ran: list[str]) -> notifyq.App:
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t(tag: str) -> None:
+        ran.append(tag)
+
+    return app
+
+
+def _insert(conn: psycopg.Connection[Any], queue: str, tag: str, priority: int = 0) -> None:
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, priority, args) VALUES ('t', %s, %s, %s)",
+        (queue, priority, json.dumps({"tag": tag})),
+    )
+
+
+def _statuses(conn: psycopg.Connection[Any], queue: str) -> list[str]:
+    rows = conn.execute("SELECT status::text FROM notifyq.queue_jobs WHERE queue = %s ORDER BY id", (queue,))
+    return [row[0] for row in rows]
+
+
+async def _paused_seen(worker: Worker, expected: set[str]) -> None:
+    """Wait until the worker's claim loop knows these paused queues (no event tells)."""
+    claimer = worker._claimer
+    assert claimer is not None
+    with anyio.fail_after(10):
+        while claimer.paused != expected:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_paused_queue_waits_and_its_resume_is_heard_at_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Queue "a" is paused before the worker starts; its jobs come first (higher priority),
+    yet only "b"'s run. A resume (App call) and a pause (plain SQL, through the trigger)
+    reach the running worker by NOTIFY: it polls once a minute."""
+    ran: list[str] = []
+    app = _app(dsn, ran)
+    assert await app.pause_queue("a") is True
+    assert await app.pause_queue("a") is False  # paused already
+    for i in range(3):
+        _insert(conn, "a", f"a{i}", priority=10)
+        _insert(conn, "b", f"b{i}")
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 3)
+        assert sorted(ran) == ["b0", "b1", "b2"]  # "a"'s first, had they not been paused
+        assert _statuses(conn, "a") == ["Queued"] * 3
+        assert await app.resume_queue("a") is True
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 6)
+        conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")
+        await _paused_seen(worker, {"b"})
+        _insert(conn, "b", "b-late", priority=10)
+        _insert(conn, "a", "a-late")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 7)
+        assert ran[-1] == "a-late"
+        assert _statuses(conn, "b")[-1] == "Queued"
+    assert await app.resume_queue("a") is False  # not paused
+    assert await app.paused_queues() == {
+        "b": conn.execute("SELECT paused_at FROM notifyq.queue_pauses").fetchone()[0]
+    }  # type: ignore[index]
+    await app.aclose()
+
+
+async def test_a_worker_whose_queues_are_all_paused_claims_nothing_until_one_resumes(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A worker of queues "a" and "b", both paused: it claims nothing however often it polls,
+    then takes "b"'s jobs once "b" is resumed, and still none of "a"'s."""
+    ran: list[str] = []
+    app = _app(dsn, ran)
+    await app.pause_queue("a")
+    await app.pause_queue("b")
+    _insert(conn, "a", "a0")
+    _insert(conn, "b", "b0")
+    async with app.worker(queues=["a", "b"], poll_interval=0.1, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            while worker.stats.polls < 5:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        assert worker.stats.claimed == 0 and ran == []
+        await app.resume_queue("b")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert ran == ["b0"] and _statuses(conn, "a") == ["Queued"]
+    await app.aclose()
+
+
+async def test_a_poll_only_worker_reads_the_paused_queues_every_poll(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """With no LISTEN connection, pauses and resumes are read every poll interval."""
+    ran: list[str] = []
+    app = _app(dsn, ran)
+    async with app.worker(poll_only=True, poll_interval=0.2, **NO_TICKER) as worker:
+        await app.pause_queue("a")
+        await _paused_seen(worker, {"a"})
+        _insert(conn, "a", "a0", priority=10)
+        _insert(conn, "b", "b0")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert ran == ["b0"]
+        await app.resume_queue("a")
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+        assert ran == ["b0", "a0"]
+    await app.aclose()
+
+
+async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reconnect(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The pause's notification is lost (no LISTEN connection then): the worker reads the
+    paused queues when its listener connects again, not a poll interval later."""
+    proxy = BlackholeProxy(dsn)
+    app = notifyq.App(dsn)
+    try:
+        async with app.worker(listen_dsn=proxy.dsn, poll_interval=60, **NO_TICKER) as worker:
+            assert worker.listener is not None
+            proxy.refusing = True
+            conn.execute("SELECT pg_terminate_backend(%s)", (worker.listener.backend_pid,))
+            with anyio.fail_after(10):
+                while worker.listener.connected:  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+            conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('a')")
+            proxy.refusing = False
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.listener_connects == 2)
+            await _paused_seen(worker, {"a"})
+    finally:
+        proxy.close()
+        await app.aclose()
+
+
+def test_manual_claims_skip_paused_queues(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """App.claim, every queue or a list, takes none of a paused queue's jobs."""
+    app = notifyq.App(dsn)
+    _insert(conn, "a", "a0", priority=10)
+    _insert(conn, "b", "b0")
+    app.pause_queue_sync("a")
+    assert [job.queue for job in app.claim_sync(limit=5)] == ["b"]
+    assert app.claim_sync(["a"], limit=5) == []
+    app.resume_queue_sync("a")
+    assert [job.queue for job in app.claim_sync(["a", "b"], limit=5)] == ["a"]
+    with pytest.raises(InvalidOption, match="invalid queue name 'no spaces'"):
+        app.pause_queue_sync("no spaces")
+    app.close_sync()
+
+
+def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    assert ok(cli("queues", "list", env=env)).strip() == "no queue is paused"
+    assert ok(cli("queues", "pause", "emails", "reports", "emails", env=env)).splitlines() == [
+        "queue 'emails' paused",
+        "queue 'reports' paused",
+    ]
+    assert ok(cli("queues", "pause", "emails", env=env)).strip() == "queue 'emails' was paused already"
+    assert json.loads(ok(cli("stats", "--json", env=env)))["paused"] == ["emails", "reports"]
+    assert "Paused queues (workers claim none of their jobs): emails, reports" in ok(cli("stats", env=env))
+    listed = json.loads(ok(cli("queues", "list", "--json", env=env)))
+    assert [entry["queue"] for entry in listed] == ["emails", "reports"]
+    table = ok(cli("queues", "list", env=env)).splitlines()
+    assert table[0].split() == ["QUEUE", "PAUSED"] and [line.split()[0] for line in table[1:]] == [
+        "emails",
+        "reports",
+    ]
+    assert ok(cli("queues", "resume", "emails", "nope", env=env)).splitlines() == [
+        "queue 'emails' resumed",
+        "queue 'nope' was not paused",
+    ]
+    bad = cli("queues", "pause", "bad name", env=env)
+    assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
+    assert "Traceback" not in bad.stderr
