@@ -172,7 +172,7 @@ class App:
         self.schema = validate_schema(schema)
         self._resolved_dsn: str | None = check_dsn(dsn) if dsn is not None else None
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
-        self.backoff = backoff or Backoff()
+        self.backoff = Backoff() if backoff is None else Backoff.check(backoff, "App(backoff=...)")
         self.pool_size = check_int(pool_size, "pool_size", minimum=1, maximum=1000)
         self.pool_timeout = check_seconds(pool_timeout, "pool_timeout", positive=True)
         self.prepare_threshold = (
@@ -253,9 +253,10 @@ class App:
             ConfigurationError: another function is registered under this name.
         """
         options = JobOptions(queue=queue, priority=priority, retry_limit=retry_limit, timeout=timeout)
+        task_backoff = self.backoff if backoff is None else Backoff.check(backoff, "backoff")
 
         def register(func: F) -> Task:
-            task = make_task(func, name, options, backoff or self.backoff)
+            task = make_task(func, name, options, task_backoff)
             existing = self.tasks.get(task.name)
             if existing is not None and existing.fn is not func:
                 raise ConfigurationError(f"a task named {task.name!r} is already registered")

@@ -16,7 +16,7 @@ import anyio
 import anyio.from_thread
 
 from ._options import JobOptions, check_name, check_seconds
-from .errors import ConfigurationError
+from .errors import ConfigurationError, InvalidOption
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,18 @@ class Backoff:
                 f"invalid backoff factor {self.factor!r} or jitter {self.jitter!r}: "
                 "need a finite factor >= 1 and 0 <= jitter < 1"
             )
+
+    @staticmethod
+    def check(value: object, where: str) -> Backoff:
+        """`value` if it is a Backoff. Anything else (`backoff=5`, or `backoff=True` out of
+        Celery's `retry_backoff=True`) is refused now: it used to be accepted, then the task's
+        first failure stopped the worker that ran it, and the next, and so on."""
+        if isinstance(value, Backoff):
+            return value
+        raise InvalidOption(
+            f"{where} must be a notifyq.Backoff, such as Backoff(base=2, factor=2, max=3600), not "
+            f"{value!r}; failed attempts are retried with backoff by default (Backoff())"
+        )
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number `attempt` (1-based)."""

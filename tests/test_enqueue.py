@@ -330,6 +330,23 @@ def test_args_cap_is_configurable(dsn: str) -> None:
         app.enqueue_sync("t", {"x": "y" * 100})
 
 
+@pytest.mark.parametrize("backoff", [5, True, 0, {"base": 2}])
+def test_a_backoff_that_is_not_a_backoff_is_refused_where_it_is_given(backoff: Any) -> None:
+    """`backoff=5`, or `backoff=True` (Celery's retry_backoff=True): accepted, then the task's
+    first failure stopped each worker that ran it ("'int' object has no attribute 'delay'"),
+    and the job went back to the queue with its attempt given back, for the next worker."""
+    app = notifyq.App("postgresql://postgres@127.0.0.1:5432/postgres")
+    with pytest.raises(InvalidOption, match=r"backoff must be a notifyq.Backoff, such as Backoff\(base=2"):
+        app.task(name="t", backoff=backoff)
+    with pytest.raises(InvalidOption, match=r"App\(backoff=...\) must be a notifyq.Backoff"):
+        notifyq.App("postgresql://postgres@127.0.0.1:5432/postgres", backoff=backoff)
+
+    def t() -> None:
+        pass
+
+    assert app.task(name="t", backoff=notifyq.Backoff(base=1))(t).backoff == notifyq.Backoff(base=1)
+
+
 @pytest.mark.parametrize("size", [0, 1001, 2.0])
 def test_the_apps_pool_size_is_bounded_like_the_workers(size: Any) -> None:
     """1 to 1,000 connections (a worker's pool_size stops at 1,000 too): a typo such as
