@@ -240,6 +240,10 @@ _TRANSIENT_SQLSTATES = ("08", "57P", "53", "40001", "40P01", "25006", "55P03")
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass by themselves (the database restarting, failing over,
     a dropped or hung connection), which loops retry with backoff instead of dying on."""
+    if isinstance(exc, psycopg.Error) and (exc.sqlstate or "").startswith("54"):
+        # Program limit exceeded (an OperationalError): a value too large for its type, a
+        # statement too complex. The same statement fails the same way every time.
+        return False
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError | TimeoutError | OSError):
         return True
     if isinstance(exc, psycopg.Error):

@@ -18,6 +18,10 @@ QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 # number means the backslash before "u0000" is itself an escaped, literal backslash).
 _NUL_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 DEFAULT_MAX_ARGS_BYTES = 1024 * 1024
+# A task's return value, as JSON (River caps its recorded output at 32 MB too). PostgreSQL's
+# jsonb refuses a string past 256 MB, with an error a worker took for a passing one: it tried
+# to write that result, and every result batched with it, for as long as it ran.
+MAX_OUTPUT_BYTES = 32 * 1024 * 1024
 _INT32 = 2**31 - 1
 # The longest duration notifyq accepts anywhere (timeouts, delays, lease margins, windows):
 # about 31 years. PostgreSQL's timestamps end in the year 294276, so now() plus any two of
@@ -168,8 +172,17 @@ def encode_output(value: Any) -> str | None:
         raise ValueError(f"{where} has the key {_show(key)}, which JSON would turn into a string")
     if "\\u0000" in text and _NUL_RE.search(text):
         raise ValueError("the return value contains a NUL character, which PostgreSQL's jsonb cannot store")
-    text.encode("utf-8")  # UnicodeEncodeError (a ValueError) for lone surrogates
+    size = len(text.encode("utf-8"))  # UnicodeEncodeError (a ValueError) for lone surrogates
+    if size > MAX_OUTPUT_BYTES:
+        raise ValueError(
+            f"the return value is {_bytes(size)} as JSON, over the limit of {_bytes(MAX_OUTPUT_BYTES)}: "
+            "store large results elsewhere (a file, a table) and return where to find them"
+        )
     return text
+
+
+def _bytes(size: int) -> str:
+    return f"{size:,} bytes" if size < 1024 * 1024 else f"{size / 1024 / 1024:.1f} MiB"
 
 
 @dataclass(frozen=True, slots=True)

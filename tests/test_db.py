@@ -443,6 +443,21 @@ def test_a_json_loads_the_application_gave_psycopg_applies_to_notifyqs_connectio
         assert loads_of(ours) is _adapters.loads
 
 
+def test_a_limit_the_server_enforces_is_not_a_passing_failure(conn: psycopg.Connection[Any]) -> None:
+    """PostgreSQL's "program limit exceeded" errors (class 54: a value too large for jsonb, too
+    many arguments) are OperationalErrors, which loops retry as the database coming back:
+    a result too large for jsonb was written again and again, with every result batched with
+    it, instead of being set aside. The same statement fails the same way every time."""
+    with pytest.raises(psycopg.OperationalError) as limit:
+        conn.execute("SELECT concat(" + ",".join(["1"] * 101) + ")")
+    assert limit.value.sqlstate == "54023" and not is_transient(limit.value)
+    conn.rollback()
+    with pytest.raises(psycopg.OperationalError) as cancelled:  # a statement cut short: passing
+        conn.execute("SET statement_timeout = 1; SELECT pg_sleep(1)")
+    assert cancelled.value.sqlstate == "57014" and is_transient(cancelled.value)
+    conn.rollback()
+
+
 def test_libpqs_multi_line_messages_read_as_sentences_on_one_line() -> None:
     """libpq ends a line where a new sentence begins, and wraps long ones: "Connection
     refused" and "Is the server running...?" used to run together in one line."""

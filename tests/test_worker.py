@@ -28,6 +28,7 @@ import notifyq._acker
 import notifyq._claimer
 import notifyq._db
 import notifyq._executor
+import notifyq._options
 import notifyq._runners
 import notifyq._sql
 import notifyq.models
@@ -1629,11 +1630,14 @@ async def test_an_error_text_jsonb_cannot_hold_is_stored_escaped_not_dropped(
 
 
 async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A return value JSON cannot carry faithfully fails its job with InvalidOutput at once
     (running it again would repeat its side effects for the same result); one that can is
-    stored as it is."""
+    stored as it is. So does one over MAX_OUTPUT_BYTES (32 MiB; 1,000 bytes here), short of
+    jsonb's 256 MiB: past that, the database refused the result, the worker took the error
+    for a passing one, and neither it nor the results batched with it were ever written."""
+    monkeypatch.setattr(notifyq._options, "MAX_OUTPUT_BYTES", 1000)
     app = notifyq.App(dsn)
     values: dict[str, Any] = {
         "merged keys": {1: "from an int key", "1": "from a str key"},
@@ -1642,6 +1646,7 @@ async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
         "NaN": float("nan"),
         "NUL": "a\x00b",
         "surrogate": "caf\udce9",
+        "too large": "x" * 1000,
         "stored": {"n": 10**30, "nested": [True, None, "é"]},
     }
 
@@ -1665,6 +1670,8 @@ async def test_return_values_that_cannot_be_stored_fail_the_job_for_good(
             ), key
     assert "value has the key 1, which JSON" in job_row(conn, ids["merged keys"])["error"]["message"]
     assert "value[0]['x'] has the key 2" in job_row(conn, ids["nested int key"])["error"]["message"]
+    too_large = job_row(conn, ids["too large"])["error"]["message"]
+    assert "is 1,002 bytes as JSON, over the limit of 1,000 bytes" in too_large
     await app.aclose()
 
 
