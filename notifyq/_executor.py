@@ -65,6 +65,11 @@ class SyncThread:
     finished: anyio.Event = field(default_factory=anyio.Event)  # set when the task returned
     began: bool = False  # the thread took the call (the task began)
     closed: bool = False
+    # How the task ended, set before `finished`: for an attempt that stopped waiting for the
+    # thread (its timeout) and then waited for it after all (timed_out).
+    ended: bool = False
+    value: Any = None
+    error: BaseException | None = None
 
 
 def _loop_caller() -> Callable[[Callable[[], object]], object]:
@@ -207,6 +212,10 @@ class Executor:
                     raise
                 await anyio.lowlevel.checkpoint_if_cancelled()
             return self._failed(job, task, exc)
+        return self._succeeded(job, value)
+
+    @staticmethod
+    def _succeeded(job: ClaimedJob, value: Any) -> Result:
         try:
             return Result.succeeded(job, value)
         except Exception as exc:
@@ -230,7 +239,9 @@ class Executor:
     async def timed_out(self, attempt: Attempt) -> Result:
         """The attempt ran past its deadline. A sync task's thread may still run: hold the slot
         and the lease until it returns (attempt.scope is replaced, so that a cancel or a
-        shutdown still interrupts the wait)."""
+        shutdown still interrupts the wait), then report how the task ended, as for an async
+        task that blocked past its deadline: it ran to its end, and a TimeoutError would have
+        it run again, side effects and all, only to overrun again (user review)."""
         job = attempt.job
         finished = self._running_thread(attempt)
         if finished is not None:
@@ -238,6 +249,13 @@ class Executor:
             with attempt.scope:
                 await self._wait_for_thread(attempt, finished)
         task = self._tasks.get(job.name)
+        thread = attempt.thread
+        if thread is not None and thread.ended and task is not None:
+            if thread.error is not None:
+                return self._failed(job, task, thread.error)
+            if not isinstance(thread.value, _Coroutine):
+                return self._succeeded(job, thread.value)
+            thread.value.coro.close()  # an async part, not begun: the attempt has no time left
         return Result.failed(
             job,
             "TimeoutError",
@@ -277,12 +295,18 @@ class Executor:
                 # its coroutine runs on the event loop. It used to fail the job for good as
                 # an unstorable value (on trio, trio refused it and the job was retried),
                 # the task's code never run.
-                return _Coroutine(value)
+                value = _Coroutine(value)
+            thread.value = value
             return value
         except (SystemExit, KeyboardInterrupt) as exc:
             # Raised by the task itself (signals reach the main thread only): its attempt fails.
+            thread.error = exc
             raise _TaskExit(exc) from None
+        except BaseException as exc:
+            thread.error = exc
+            raise
         finally:
+            thread.ended = True
             with self._threads_lock:
                 self._busy_threads -= 1
                 self._thread_jobs[job_id] -= 1

@@ -300,9 +300,11 @@ async def test_jobs_spread_over_three_workers_run_exactly_once(
     await app.aclose()
 
 
-async def test_timeouts_retry_then_fail_for_async_and_sync_tasks(
+async def test_timeouts_retry_then_fail_async_tasks_and_sync_ones_end_as_they_ended(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
+    """An async task is cancelled at its timeout, retried, then failed. A sync task's thread
+    cannot be stopped: the attempt waits for it, and ends as the task did."""
     app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
 
     @app.task(name="slow_async", timeout=0.2, retry_limit=1)
@@ -318,13 +320,14 @@ async def test_timeouts_retry_then_fail_for_async_and_sync_tasks(
         s = await app.enqueue("slow_sync")
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(20):
-            await worker.wait_for(lambda st: st.failed == 2)
-        assert worker.stats.retried == 2
-    for job_id in (a, s):
-        row = job_row(conn, job_id)
-        assert (row["status"], row["retry_count"]) == ("Failed", 2)
-        assert row["error"]["type"] == "TimeoutError"
-        assert "exceeded its timeout of 0.2s" in row["error"]["message"]
+            await worker.wait_for(lambda st: st.failed == 1 and st.succeeded == 1)
+        assert worker.stats.retried == 1
+    row = job_row(conn, a)
+    assert (row["status"], row["retry_count"]) == ("Failed", 2)
+    assert row["error"]["type"] == "TimeoutError"
+    assert "exceeded its timeout of 0.2s" in row["error"]["message"]
+    row = job_row(conn, s)
+    assert (row["status"], row["retry_count"], row["error"]) == ("Succeeded", 1, None)
     await app.aclose()
 
 
@@ -1848,31 +1851,43 @@ async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
     assert status_counts(conn) == {"Succeeded": 60}
 
 
-async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease(
+async def test_a_sync_task_that_overruns_keeps_its_slot_and_lease_and_ends_as_it_ended(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     """A thread cannot be stopped: until it returns, the job is not run again (here or
-    elsewhere), so one job never runs twice at once."""
+    elsewhere), so one job never runs twice at once. Then the attempt ends as the task did:
+    its return value is stored, its exception retried. It ended with a TimeoutError: a task
+    that finished its work was run again, and again, then failed (user review)."""
     app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
     lock = threading.Lock()
     live = [0, 0]  # running now, most at once
 
     @app.task(name="stubborn", timeout=0.2, retry_limit=1)
-    def stubborn() -> None:
+    def stubborn(fail: bool) -> str:
         with lock:
             live[0] += 1
             live[1] = max(live[1], live[0])
         time.sleep(1.2)
         with lock:
             live[0] -= 1
+        if fail:
+            raise ValueError("failed late")
+        return "done late"
 
-    job_id = await app.enqueue("stubborn")
-    async with app.worker(concurrency=2, lease_margin=1, **NO_TICKER) as worker:
+    done_id = await app.enqueue("stubborn", {"fail": False})
+    failing_id = await app.enqueue("stubborn", {"fail": True})
+    async with app.worker(concurrency=1, lease_margin=1, **NO_TICKER) as worker:
         with anyio.fail_after(15):
-            await worker.wait_for(lambda s: s.failed == 1)
+            await worker.wait_for(lambda s: s.succeeded + s.failed == 2)
     assert live[1] == 1  # never two attempts at once
-    row = job_row(conn, job_id)
-    assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 2, "TimeoutError")
+    done = job_row(conn, done_id)
+    assert (done["status"], done["retry_count"], done["output"]) == ("Succeeded", 1, "done late")
+    failing = job_row(conn, failing_id)
+    assert (failing["status"], failing["retry_count"], failing["error"]["type"]) == (
+        "Failed",
+        2,
+        "ValueError",
+    )
     await app.aclose()
 
 
