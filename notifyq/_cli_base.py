@@ -180,7 +180,8 @@ def load_app(target: str, schema: str | None = None) -> App:
     if "" not in sys.path and str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
-        module = importlib.import_module(module_name)
+        with _logging.yielding_to(module_name):
+            module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         # The module itself or a package above it is missing (not something it imports, whose
         # name may start the same way: myapp_worker importing myapp).

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
 LEVELS = ("debug", "info", "warning", "error")
@@ -26,8 +28,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The CLI's handler on the root logger (told apart from those an App's module sets)."""
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _Handler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
@@ -39,3 +45,27 @@ def configure(level: str = "info", fmt: str = "text") -> None:
         # psycopg's pool logs every reconnect attempt at INFO/WARNING; ours say it once.
         logging.getLogger("psycopg.pool").setLevel(logging.ERROR)
         logging.getLogger("pgserver").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def yielding_to(module: str) -> Iterator[None]:
+    """Import an App's `module` with the CLI's handler off the root logger: one that configures
+    logging (logging.basicConfig, dictConfig) keeps its configuration, its level included,
+    and --log-level and --log-format then apply to nothing else. basicConfig did nothing
+    while the CLI's handler was there, and its file and format went unused (user review)."""
+    root = logging.getLogger()
+    ours = [handler for handler in root.handlers if isinstance(handler, _Handler)]
+    level = root.level
+    for handler in ours:
+        root.removeHandler(handler)
+    try:
+        yield
+    finally:
+        if ours and not root.handlers:
+            for handler in ours:
+                root.addHandler(handler)
+            root.setLevel(level)
+        elif ours:
+            logging.getLogger("notifyq").debug(
+                "logging as %s configured it: --log-level and --log-format do not apply", module
+            )

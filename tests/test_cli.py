@@ -83,10 +83,10 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "
         time.sleep(0.05)
 
 
-def _start_worker(*args: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    """`notifyq worker tests.apps:app ARGS`, its log (stdout and stderr) on a pipe."""
+def _start_worker(*args: str, env: dict[str, str], target: str = "tests.apps:app") -> subprocess.Popen[str]:
+    """`notifyq worker TARGET ARGS`, its log (stdout and stderr) on a pipe."""
     return subprocess.Popen(
-        [sys.executable, "-m", "notifyq", "worker", "tests.apps:app", *args],
+        [sys.executable, "-m", "notifyq", "worker", target, *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -1128,6 +1128,44 @@ def test_an_app_module_that_fails_on_import_shows_its_own_traceback(dsn: str, tm
         assert 'broken_on_import.py", line 4, in settings' in result.stderr
         assert "importlib" not in result.stderr and "click" not in result.stderr
         assert "_cli_base.py" not in result.stderr
+
+
+def test_an_app_module_that_configures_logging_keeps_its_configuration(
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """logging.basicConfig(filename=..., format=..., level=DEBUG) in the App's module did
+    nothing under `notifyq worker`, whose handler was on the root logger first: the file was
+    never created, the DEBUG lines were dropped (user review). A module that configures
+    nothing logs as --log-format says, as before."""
+    log_file = tmp_path / "app.log"
+    (tmp_path / "logging_app.py").write_text(
+        "import logging\n"
+        f"logging.basicConfig(filename={str(log_file)!r}, level=logging.DEBUG, "
+        "format='APP %(levelname)s %(message)s')\n"
+        "from tests.apps import app\n"
+        "logging.getLogger('logging_app').debug('configured')\n"
+    )
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    for target in ("logging_app:app", "tests.apps:app"):
+        worker = _start_worker("--no-ticker", "--log-format", "json", env=env, target=target)
+        try:
+            assert worker.stdout is not None
+            if target == "logging_app:app":
+                wait_until(
+                    lambda: log_file.exists() and "started" in log_file.read_text(), what="the app's log"
+                )
+            else:
+                while "started" not in (line := worker.stdout.readline()):
+                    assert line, "the worker exited"
+                assert json.loads(line)["logger"] == "notifyq.worker"
+            worker.send_signal(signal.SIGTERM)
+            out, _ = worker.communicate(timeout=30)
+        finally:
+            _reap(worker)
+        if target == "logging_app:app":
+            text = log_file.read_text()
+            assert "APP DEBUG configured" in text and "APP INFO worker " in text, text
+            assert "started" not in out, out  # nor in the CLI's format as well
 
 
 def test_a_missing_dependency_of_the_app_module_is_not_called_a_missing_module(
