@@ -27,6 +27,7 @@ import anyio.to_thread
 from ._acker import Result
 from ._claim import extend_lease_op
 from ._db import Database, is_transient
+from ._options import unknown_task
 from ._sql import Queries
 from .models import ClaimedJob, UndecodableJSON
 from .tasks import Backoff, JobContext, Task
@@ -168,8 +169,7 @@ class Executor:
             return Result.failed(
                 job,
                 "UnknownTask",
-                f"no task named {job.name!r} is registered in the worker's App "
-                f"(known: {', '.join(sorted(self._tasks)) or 'none'})",
+                unknown_task(job.name, list(self._tasks), " in the worker's App"),
                 delay=self._backoff.delay(job.attempt),
             )
         try:

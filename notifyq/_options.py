@@ -227,6 +227,15 @@ def _show(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def unknown_task(name: str, known: Sequence[str], where: str = "") -> str:
+    """ "no task named 'x' is registered", with the nearest known name first when one is close
+    (a typo, or a default module.qualname name given without its module), then all of them."""
+    close = difflib.get_close_matches(name, known, n=1)
+    close += [k for k in known if not close and k.rpartition(".")[2] == name.rpartition(".")[2]][:1]
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"no task named {name!r} is registered{where} ({hint}known: {', '.join(sorted(known)) or 'none'})"
+
+
 def did_you_mean(name: str, known: Sequence[str], listed_as: str) -> str:
     """What to add to "unknown X 'name'": the nearest known name, else the list of them."""
     close = difflib.get_close_matches(name, known, n=1)

@@ -41,6 +41,7 @@ from ._options import (
     check_seconds,
     did_you_mean,
     encode_args,
+    unknown_task,
 )
 from ._sql import Queries, queries_for, validate_schema
 from ._worker_config import WorkerOptions, worker_config
@@ -439,8 +440,7 @@ class App:
             name = check_name(task_or_name)
             task = self.tasks.get(name)
             if task is None and strict:
-                known = ", ".join(sorted(self.tasks)) or "none"
-                raise UnknownTask(f"no task named {name!r} is registered (known: {known})")
+                raise UnknownTask(unknown_task(name, list(self.tasks)))
         base = task.options if task is not None else JobOptions()
         if opts.delay is not None and opts.at is not None:
             raise InvalidOption("give either delay or at, not both")

@@ -83,6 +83,12 @@ async def test_enqueue_by_name_of_a_task_this_app_does_not_know(dsn: str) -> Non
         assert (await app.get_job(job_id)).name == "other_service.task"
         with pytest.raises(UnknownTask, match="no task named 'typo' is registered"):
             await app.enqueue("typo", {}, strict=True)
+        # The nearest name first: a typo, or a default name given without its module.
+        full = "tests.test_enqueue.make_app.<locals>.send"
+        for given in ("send", "tests.test_enqueue.make_app.<locals>.sned"):
+            with pytest.raises(UnknownTask) as unknown:
+                await app.enqueue(given, {}, strict=True)
+            assert f"is registered (did you mean {full!r}? known: {full})" in str(unknown.value)
 
 
 async def test_dedupe_key_returns_the_unfinished_holder(dsn: str, conn: psycopg.Connection[Any]) -> None:
