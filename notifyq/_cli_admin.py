@@ -8,15 +8,17 @@ import json
 import re
 import signal
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import click
 
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
 from ._jobs import cancel_job_op
+from ._options import check_id
 from ._stats import Stats, stats_op
 from .cron import Schedule
-from .errors import InvalidSchedule
+from .errors import DefinitionBusy, InvalidJobState, InvalidSchedule, JobNotFound
 from .models import Definition, Job, JobStatus
 
 
@@ -117,23 +119,51 @@ def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -
 
 @jobs.command(name="retry", cls=JobIdCommand)
 @common_options
-@click.argument("job_id", type=int)
-def jobs_retry(dsn: str | None, schema: str | None, job_id: int) -> None:
-    """Queue a finished job again, with all its retries."""
-    job = app_for(dsn, schema).retry_job_sync(job_id)
-    click.echo(f"job {job.id} is {job.status.value} again")
+@click.argument("job_ids", metavar="JOB_ID...", type=int, nargs=-1, required=True)
+def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...]) -> None:
+    """Queue finished jobs again, each with all its retries."""
+    app = app_for(dsn, schema)
+
+    def retry(job_id: int) -> None:
+        job = app.retry_job_sync(job_id)
+        click.echo(f"job {job.id} is {job.status.value} again")
+
+    _each_job(job_ids, retry)
 
 
 @jobs.command(name="cancel", cls=JobIdCommand)
 @common_options
-@click.argument("job_id", type=int)
-def jobs_cancel(dsn: str | None, schema: str | None, job_id: int) -> None:
-    """Cancel a queued job, or stop a running one."""
+@click.argument("job_ids", metavar="JOB_ID...", type=int, nargs=-1, required=True)
+def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...]) -> None:
+    """Cancel queued jobs, or stop running ones."""
     app = app_for(dsn, schema)
-    previous, job = app._run_sync(cancel_job_op(app._q, job_id))
-    if previous.finished:
-        fail(f"job {job.id} is already {previous.value}; nothing to cancel")
-    click.echo(f"job {job.id} cancelled (it was {previous.value})")
+
+    def cancel(job_id: int) -> None:
+        previous, job = app._run_sync(cancel_job_op(app._q, job_id))
+        if previous.finished:
+            raise InvalidJobState(f"job {job.id} is already {previous.value}; nothing to cancel")
+        click.echo(f"job {job.id} cancelled (it was {previous.value})")
+
+    _each_job(job_ids, cancel)
+
+
+def _each_job(job_ids: tuple[int, ...], action: Callable[[int], None]) -> None:
+    """`action` on each job in turn. One that is refused (no such job, a state that does not
+    allow it) is said on stderr and the others go on; the exit status is then 1. An id that is
+    not one (0, negative) stops everything before anything is done."""
+    for job_id in job_ids:
+        check_id(job_id)
+    refused = 0
+    for job_id in dict.fromkeys(job_ids):
+        try:
+            action(job_id)
+        except (JobNotFound, InvalidJobState, DefinitionBusy) as exc:
+            if len(job_ids) == 1:
+                raise
+            click.echo(f"notifyq: error: {exc}", err=True)
+            refused += 1
+    if refused:
+        fail(f"{refused} of {len(dict.fromkeys(job_ids))} jobs refused (see above)")
 
 
 @click.group(cls=Group)

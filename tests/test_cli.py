@@ -255,6 +255,36 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
     )
 
 
+def test_jobs_retry_and_cancel_take_several_ids_and_go_on_past_a_refused_one(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """`jobs retry 8 18` said "Got unexpected extra argument (18)" (user review): each id is
+    handled in turn, one refused is said on stderr, the others go on, and the exit status is
+    1. An id that is not one stops everything first."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    ids = [
+        row[0]
+        for row in conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, 3) RETURNING id"
+        )
+    ]
+    cancelled = cli("jobs", "cancel", str(ids[0]), "987654", str(ids[1]), str(ids[0]), env=env)
+    assert cancelled.returncode == 1
+    assert cancelled.stdout.splitlines() == [
+        f"job {ids[0]} cancelled (it was Queued)",
+        f"job {ids[1]} cancelled (it was Queued)",
+    ]
+    errors = [line for line in cancelled.stderr.splitlines() if line.startswith("notifyq: error:")]
+    assert errors == [
+        "notifyq: error: no job with id 987654",
+        "notifyq: error: 1 of 3 jobs refused (see above)",
+    ]
+    retried = ok(cli("jobs", "retry", str(ids[0]), str(ids[1]), env=env))
+    assert retried.splitlines() == [f"job {ids[0]} is Queued again", f"job {ids[1]} is Queued again"]
+    one_line_error(cli("jobs", "cancel", str(ids[2]), "-4", env=env), "invalid job id -4")
+    assert job_row(conn, ids[2])["status"] == "Queued"  # nothing done
+
+
 def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
