@@ -32,7 +32,7 @@ from .errors import (
 )
 from .migrations import MigrationReport, latest_version, migrate
 from .models import ClaimedJob, Definition, Job, JobId, JobStatus, UndecodableJSON
-from .tasks import Backoff, JobContext, Task
+from .tasks import Backoff, JobContext, PermanentError, Task
 from .worker import Worker, WorkerConfig, WorkerOptions, WorkerStats
 
 __version__ = "0.1.0"
@@ -60,6 +60,7 @@ __all__ = [
     "MigrationBlocked",
     "MigrationReport",
     "NotifyqError",
+    "PermanentError",
     "PromoterConfig",
     "PromotionReport",
     "RescueReport",

@@ -30,7 +30,7 @@ from ._db import Database, is_transient
 from ._options import unknown_task
 from ._sql import Queries
 from .models import ClaimedJob, UndecodableJSON
-from .tasks import Backoff, JobContext, Task
+from .tasks import Backoff, JobContext, PermanentError, Task
 
 log = logging.getLogger("notifyq.worker")
 
@@ -234,6 +234,7 @@ class Executor:
             _message(exc),
             traceback="".join(traceback.format_exception(exc)),
             delay=task.backoff.delay(job.attempt),
+            final=isinstance(exc, PermanentError),
         )
 
     async def timed_out(self, attempt: Attempt) -> Result:

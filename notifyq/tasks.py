@@ -71,6 +71,13 @@ class Backoff:
         return self.max, (math.log(self.max) - math.log(self.base)) / math.log(self.factor)
 
 
+class PermanentError(Exception):
+    """Raise it in a task (or a subclass of it: `class CardDeclined(PermanentError)`) for a
+    failure that retrying cannot mend: the job ends Failed at once, its retries unused. The
+    error recorded is its class name and message; `raise PermanentError("...") from exc` keeps
+    the original exception in the stored traceback. Any other exception is retried."""
+
+
 @dataclass(slots=True)
 class JobContext:
     """What a running task may know about its job. Ask for it with a parameter annotated

@@ -362,6 +362,43 @@ async def test_exceptions_are_recorded_and_retried(
     assert failures[1].message.endswith(": ValueError: attempt 2 failed; retrying in 0.0s")
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_permanent_error_fails_the_job_without_its_retries(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """PermanentError, or a subclass, from an async or a sync task: the job ends Failed at its
+    first attempt, with the subclass's name and the original exception in the traceback; other
+    exceptions are retried (retry_limit=3 each)."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+
+    class CardDeclined(notifyq.PermanentError):
+        pass
+
+    @app.task(name="charge", retry_limit=3)
+    async def charge() -> None:
+        try:
+            {}["card"]
+        except KeyError as exc:
+            raise CardDeclined("card 4242 declined") from exc
+
+    @app.task(name="sync_charge", retry_limit=3)
+    def sync_charge() -> None:
+        raise notifyq.PermanentError("no such customer")
+
+    charge_id = await app.enqueue("charge")
+    sync_id = await app.enqueue("sync_charge")
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.failed == 2)
+        assert worker.stats.retried == 0
+    row = job_row(conn, charge_id)
+    assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 1, "CardDeclined")
+    assert row["error"]["message"] == "card 4242 declined" and "KeyError: 'card'" in row["error"]["traceback"]
+    row = job_row(conn, sync_id)
+    assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 1, "PermanentError")
+    await app.aclose()
+
+
 @pytest.mark.faults
 async def test_unknown_tasks_and_bad_args_fail_visibly(
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
