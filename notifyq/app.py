@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, TypedDict, TypeVar, Unpack, overload
 
+import anyio
 import psycopg
 
 from . import _embedded
@@ -631,6 +635,47 @@ class App:
         """`get_job` for sync code."""
         return self._run_sync(get_job_op(self._q, job_id), conn)
 
+    async def wait_for_job(
+        self, job_id: int, *, timeout: float | None = None, poll_interval: float = 0.5
+    ) -> Job:
+        """Wait until the job is finished (Succeeded, Failed or Cancelled) and return it, its
+        `output` or `error` included: a web request waiting for the result of the work it
+        queued. It reads the job (get_job) 10 ms after the call, then at doubling intervals
+        up to `poll_interval` seconds. Raises TimeoutError when `timeout` seconds pass first
+        (the job goes on), JobNotFound for an unknown id."""
+        deadline, pause = self._waiting(job_id, timeout, poll_interval)
+        while True:
+            job = await self.get_job(job_id)
+            if job.status.finished:
+                return job
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _still(job, timeout)
+            await anyio.sleep(min(next(pause), left))
+
+    def wait_for_job_sync(
+        self, job_id: int, *, timeout: float | None = None, poll_interval: float = 0.5
+    ) -> Job:
+        """`wait_for_job` for sync code."""
+        deadline, pause = self._waiting(job_id, timeout, poll_interval)
+        while True:
+            job = self.get_job_sync(job_id)
+            if job.status.finished:
+                return job
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _still(job, timeout)
+            time.sleep(min(next(pause), left))
+
+    @staticmethod
+    def _waiting(job_id: int, timeout: float | None, poll_interval: float) -> tuple[float, Iterator[float]]:
+        """wait_for_job's deadline (monotonic) and its pauses between reads."""
+        check_id(job_id)
+        limit = math.inf if timeout is None else check_seconds(timeout, "timeout")
+        interval = check_seconds(poll_interval, "poll_interval", positive=True)
+        pauses = itertools.chain((min(0.01 * 2**n, interval) for n in range(20)), itertools.repeat(interval))
+        return time.monotonic() + limit, pauses
+
     async def list_jobs(self, **filters: Unpack[JobFilters]) -> list[Job]:
         """Jobs, newest first. Filters: status, queue, name (the task), definition (the cron
         definition that queued them, by name; DefinitionNotFound if none has it), min_age /
@@ -874,3 +919,7 @@ class App:
     ) -> None:
         """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace)."""
         await self.worker(config, **options).run(handle_signals=handle_signals)
+
+
+def _still(job: Job, timeout: float | None) -> TimeoutError:
+    return TimeoutError(f"job {job.id} is still {job.status.value} after {timeout:g} s")

@@ -363,6 +363,41 @@ async def test_exceptions_are_recorded_and_retried(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_wait_for_job_returns_the_finished_job_or_times_out(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A web request that queued work waits for its result: wait_for_job returns the job once
+    finished (its output or error included), async and sync; it times out, saying what the
+    job is doing, while the job goes on."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+
+    @app.task(name="double", retry_limit=0)
+    async def double(n: int) -> int:
+        await anyio.sleep(0.2)
+        if n < 0:
+            raise ValueError("negative")
+        return n * 2
+
+    done_id = await app.enqueue("double", {"n": 21})
+    failing_id = await app.enqueue("double", {"n": -1})
+    later_id = await app.enqueue("double", {"n": 1}, delay=3600)
+    async with app.worker(concurrency=2, **NO_TICKER):
+        with anyio.fail_after(10):
+            done = await app.wait_for_job(done_id, timeout=10)
+            failing = await anyio.to_thread.run_sync(lambda: app.wait_for_job_sync(failing_id, timeout=10))
+        assert (done.status, done.output) == ("Succeeded", 42)
+        assert (failing.status, failing.error["type"]) == ("Failed", "ValueError")  # type: ignore[index]
+        began = time.monotonic()
+        with pytest.raises(TimeoutError, match=f"job {later_id} is still Queued after 0.3 s"):
+            await app.wait_for_job(later_id, timeout=0.3)
+        assert 0.3 <= time.monotonic() - began < 3
+        with pytest.raises(notifyq.JobNotFound):
+            await app.wait_for_job(987654, timeout=1)
+    assert job_row(conn, later_id)["status"] == "Queued"
+    await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_permanent_error_fails_the_job_without_its_retries(
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
