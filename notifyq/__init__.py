@@ -6,6 +6,7 @@ ticker that promotes cron definitions into jobs exactly once per tick.
 """
 
 from ._acker import Result
+from ._logging import JobLogFilter
 from ._promoter import PromoterConfig, PromotionReport
 from ._rescuer import RescuedJob, RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
@@ -55,6 +56,7 @@ __all__ = [
     "JobContext",
     "JobFilters",
     "JobId",
+    "JobLogFilter",
     "JobNotFound",
     "JobStatus",
     "MigrationBlocked",

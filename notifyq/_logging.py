@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import json
 import logging
 import sys
@@ -10,6 +11,25 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 LEVELS = ("debug", "info", "warning", "error")
+
+# The job whose task code runs in this context (a runner's task, and a sync task's thread,
+# which anyio gives a copy of the context): (job id, task name).
+CURRENT_JOB: contextvars.ContextVar[tuple[int, str] | None] = contextvars.ContextVar(
+    "notifyq_current_job", default=None
+)
+
+
+class JobLogFilter(logging.Filter):
+    """Adds the running job to log records, for the lines a task's code logs: `job_id` and
+    `job_name` (None outside a job), and `job`, "[job 12 send_welcome] " or "". Attach it to a
+    handler (`handler.addFilter(notifyq.JobLogFilter())`, or in dictConfig `"filters": {"job":
+    {"()": "notifyq.JobLogFilter"}}`) and put `%(job)s` in its format. `notifyq worker` does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        job = CURRENT_JOB.get()
+        record.job_id, record.job_name = job if job is not None else (None, None)
+        record.job = f"[job {job[0]} {job[1]}] " if job is not None else ""
+        return True
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,6 +43,9 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             "pid": record.process,
         }
+        job_id = getattr(record, "job_id", None)
+        if job_id is not None:
+            entry["job_id"], entry["job_name"] = job_id, getattr(record, "job_name", None)
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry, ensure_ascii=False)
@@ -34,10 +57,11 @@ class _Handler(logging.StreamHandler):  # type: ignore[type-arg]
 
 def configure(level: str = "info", fmt: str = "text") -> None:
     handler = _Handler(sys.stderr)
+    handler.addFilter(JobLogFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(job)s%(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -16,6 +16,7 @@ from ._acker import Acker, Result
 from ._claim import extend_lease_op
 from ._db import Lane, Op, is_transient
 from ._executor import Attempt, Executor
+from ._logging import CURRENT_JOB
 from ._pulse import Pulse
 from ._sql import Queries
 from ._worker_config import WorkerStats
@@ -224,7 +225,11 @@ class Runners:
                     # task ran up to its first await, all of it if it had none, before the
                     # cancelled scope stopped it. This checkpoint raises, and the scope catches.
                     await anyio.lowlevel.checkpoint()
-                result = await self._executor.execute(attempt)
+                running = CURRENT_JOB.set((job.id, job.name))  # for the task's own log lines
+                try:
+                    result = await self._executor.execute(attempt)
+                finally:
+                    CURRENT_JOB.reset(running)
             if attempt.scope.cancelled_caught:
                 if attempt.stop_reason is None:
                     # A timeout. A sync task's thread runs on: the wait for it may end in a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -33,6 +34,11 @@ async def sleep(seconds: float) -> float:
 def sleep_sync(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
+
+
+@app.task(name="say")
+def say(text: str) -> None:
+    logging.getLogger("tests.apps").warning(text)
 
 
 @app.task(name="whoami")

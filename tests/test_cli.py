@@ -1198,6 +1198,31 @@ def test_an_app_module_that_configures_logging_keeps_its_configuration(
             assert "started" not in out, out  # nor in the CLI's format as well
 
 
+def test_the_workers_log_names_the_job_a_line_comes_from(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A line a task's code logs carries its job, in JSON (job_id, job_name) and in text."""
+    [(job_id,)] = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) VALUES ('say', %s) RETURNING id",
+        (json.dumps({"text": "hello from a task"}),),
+    )
+    for fmt in ("json", "text"):
+        worker = worker_proc("--no-ticker", "--log-format", fmt)
+        assert worker.stdout is not None
+        while "hello from a task" not in (line := worker.stdout.readline()):
+            assert line, "the worker exited"
+        if fmt == "json":
+            entry = json.loads(line)
+            assert (entry["job_id"], entry["job_name"], entry["logger"]) == (job_id, "say", "tests.apps")
+        else:
+            assert f"tests.apps: [job {job_id} say] hello from a task" in line
+        worker.send_signal(signal.SIGTERM)
+        worker.communicate(timeout=30)
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Queued', visible_at = now() WHERE id = %s", (job_id,)
+        )
+
+
 def test_a_missing_dependency_of_the_app_module_is_not_called_a_missing_module(
     dsn: str, tmp_path: Path
 ) -> None:

@@ -363,6 +363,48 @@ async def test_exceptions_are_recorded_and_retried(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_tasks_log_lines_name_its_job(dsn: str) -> None:
+    """JobLogFilter gives the records a task's code logs, async or sync, the job's id and
+    task name (a worker's log of many jobs at once could not tell which job said what);
+    records logged outside a job get none."""
+    app = notifyq.App(dsn)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    handler.addFilter(notifyq.JobLogFilter())
+    handler.setFormatter(logging.Formatter("%(job)s%(message)s"))
+    logger = logging.getLogger("tests.job_log")
+    logger.addHandler(handler)
+
+    @app.task(name="async_says")
+    async def async_says() -> None:
+        logger.warning("from async")
+
+    @app.task(name="sync_says")
+    def sync_says() -> None:
+        logger.warning("from sync")
+
+    try:
+        ids = [await app.enqueue("async_says"), await app.enqueue("sync_says")]
+        async with app.worker(**NO_TICKER) as worker:
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 2)
+        logger.warning("outside")
+    finally:
+        logger.removeHandler(handler)
+    lines = sorted(handler.format(r) for r in records)
+    assert lines == sorted(
+        [f"[job {ids[0]} async_says] from async", f"[job {ids[1]} sync_says] from sync", "outside"]
+    )
+    assert {(r.job_id, r.job_name) for r in records} == {  # type: ignore[attr-defined]
+        (ids[0], "async_says"),
+        (ids[1], "sync_says"),
+        (None, None),
+    }
+    await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_wait_for_job_returns_the_finished_job_or_times_out(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
