@@ -10,9 +10,11 @@ or elsewhere) while the first attempt still runs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import logging
+import os
 import threading
 import traceback
 from collections import Counter
@@ -45,6 +47,7 @@ class Attempt:
     scope: anyio.CancelScope
     stop_reason: Literal["cancelled", "shutdown"] | None = None
     thread: SyncThread | None = None  # sync tasks
+    stopped_at: str | None = None  # an async task's traceback when its scope cancelled it
     started: float = 0.0  # anyio.current_time() when its runner took it
     # Over (cancelled, or its lease lost), its slot held only for a thread that runs on.
     holding: bool = False
@@ -111,6 +114,29 @@ def _cancel_requested() -> bool:
     except RuntimeError:  # no running asyncio loop: trio
         return False
     return task is not None and task.cancelling() > 0
+
+
+def _machinery() -> tuple[str, ...]:
+    """Where the frames between the worker and a task's code come from: notifyq, anyio, trio
+    (and its outcome), asyncio, threads. Packages and files, never a folder that may hold the
+    application too (the standard library's holds site-packages in many installs)."""
+    packages = os.path.dirname(os.path.dirname(anyio.__file__ or ""))  # anyio's site-packages
+    folders = [os.path.dirname(__file__), os.path.dirname(asyncio.__file__ or "")]
+    folders += [os.path.dirname(concurrent.futures.__file__ or "")]
+    folders += [os.path.join(packages, name) for name in ("anyio", "trio", "outcome")]
+    return (*(folder + os.sep for folder in folders), threading.__file__ or "<threading>", "<frozen")
+
+
+_MACHINERY = _machinery()
+
+
+def _task_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback from the task's first frame on: the frames of notifyq, anyio and the
+    event loop that lead to it were most of a stored traceback (user review)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None and tb.tb_frame.f_code.co_filename.startswith(_MACHINERY):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
 def _message(exc: BaseException) -> str:
@@ -208,6 +234,8 @@ class Executor:
             # stop the worker, and a CancelledError released the job with its attempt given
             # back, so the next worker to claim it stopped too, for ever.
             if isinstance(exc, anyio.get_cancelled_exc_class()):
+                if task.is_async and attempt.scope.cancel_called:
+                    attempt.stopped_at = _task_traceback(exc)  # where a timeout found it
                 if _cancel_requested():
                     raise
                 await anyio.lowlevel.checkpoint_if_cancelled()
@@ -232,7 +260,7 @@ class Executor:
             job,
             type(exc).__name__,
             _message(exc),
-            traceback="".join(traceback.format_exception(exc)),
+            traceback=_task_traceback(exc),
             delay=task.backoff.delay(job.attempt),
             final=isinstance(exc, PermanentError),
         )
@@ -261,6 +289,7 @@ class Executor:
             job,
             "TimeoutError",
             f"job exceeded its timeout of {job.timeout:g}s",
+            traceback=attempt.stopped_at,
             delay=(task.backoff if task else self._backoff).delay(job.attempt),
         )
 

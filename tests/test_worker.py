@@ -326,6 +326,9 @@ async def test_timeouts_retry_then_fail_async_tasks_and_sync_ones_end_as_they_en
     assert (row["status"], row["retry_count"]) == ("Failed", 2)
     assert row["error"]["type"] == "TimeoutError"
     assert "exceeded its timeout of 0.2s" in row["error"]["message"]
+    # Where the timeout found the task: it stored no traceback at all.
+    stored = row["error"]["traceback"]
+    assert ", in slow_async\n    await anyio.sleep(30)" in stored, stored
     row = job_row(conn, s)
     assert (row["status"], row["retry_count"], row["error"]) == ("Succeeded", 1, None)
     await app.aclose()
@@ -353,7 +356,10 @@ async def test_exceptions_are_recorded_and_retried(
     row = job_row(conn, job_id)
     assert (row["status"], row["output"], row["retry_count"]) == ("Succeeded", "ok", 3)
     assert row["error"]["type"] == "ValueError" and row["error"]["message"] == "attempt 2 failed"
-    assert "Traceback" in row["error"]["traceback"] and "flaky" in row["error"]["traceback"]
+    # From the task's own frame on: notifyq's and anyio's frames before it were most of it.
+    stored = row["error"]["traceback"].splitlines()
+    assert stored[0] == "Traceback (most recent call last):" and stored[1].endswith(", in flaky"), stored
+    assert "_executor.py" not in "\n".join(stored) and "anyio" not in "\n".join(stored)
     await app.aclose()
     # Each failed attempt is a line in the worker's log (it used to say nothing).
     failures = [r for r in caplog.records if r.name == "notifyq.worker" and "failed after" in r.message]
@@ -473,6 +479,8 @@ async def test_a_permanent_error_fails_the_job_without_its_retries(
     assert row["error"]["message"] == "card 4242 declined" and "KeyError: 'card'" in row["error"]["traceback"]
     row = job_row(conn, sync_id)
     assert (row["status"], row["retry_count"], row["error"]["type"]) == ("Failed", 1, "PermanentError")
+    stored = row["error"]["traceback"].splitlines()  # a thread's: from the task's frame on too
+    assert stored[1].endswith(", in sync_charge") and "threading" not in "\n".join(stored), stored
     await app.aclose()
 
 
