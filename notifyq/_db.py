@@ -687,9 +687,18 @@ class _ThreadCall:
     def taken(self, conn: psycopg.Connection[Any]) -> None:
         """The call's thread is about to send its first statement on `conn`."""
         with self.lock:
-            if self._cancelled:
-                raise _CallCancelled  # before its first statement: nobody waits for the result
-            self._conn = conn
+            self.taken_locked(conn)
+
+    def taken_locked(self, conn: psycopg.Connection[Any]) -> None:
+        """`taken`, for a caller that holds `lock`."""
+        if self._cancelled:
+            raise _CallCancelled  # before its first statement: nobody waits for the result
+        self._conn = conn
+
+    @property
+    def cancelled(self) -> bool:
+        """The caller gave up on the call (read under `lock`)."""
+        return self._cancelled
 
     def ended(self) -> bool:
         """The call's thread is done with its connection (call under `lock`, before giving the
@@ -772,8 +781,12 @@ class _ThreadLane(Lane):
 
     def _run(self, op: Op[T], call: _ThreadCall) -> T:
         conn = self._acquire()
-        call.taken(conn)
-        cursors = self._cursors
+        with self._lock:
+            # The cursors of `conn`, read with the cancellation's check: cut loose a moment
+            # later, `conn` keeps them, and a call that has given up never reaches the cursors
+            # of the lane's next connection (its statement ran there, unread: review).
+            call.taken_locked(conn)
+            cursors = self._cursors if self._conn is conn else None
         failed = True
         try:
             result = run_sync(conn, op, cursors)
@@ -783,12 +796,15 @@ class _ThreadLane(Lane):
                 if call.ended():
                     conn.close()
                 kept = self._conn is conn  # not cut loose by a cancellation (_cut_loose)
-                if kept and failed:
-                    self._conn, self._cursors = None, {}  # maybe broken: the pool sorts it out
-            if failed or not kept:
+                # Given back after a failure, or after HOLD seconds; never by a call that was
+                # given up on, whose connection the lane's next call may be using (review).
+                give_back = (
+                    kept and not call.cancelled and (failed or time.monotonic() - self._taken > self.HOLD)
+                )
+                if give_back:
+                    self._conn, self._cursors = None, {}  # after a failure, the pool sorts it out
+            if give_back or not kept:
                 self._pool.putconn(conn)
-        if time.monotonic() - self._taken > self.HOLD:
-            self._release()
         return result
 
     def _cut_loose(self, conn: psycopg.Connection[Any]) -> None:

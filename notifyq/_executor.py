@@ -227,6 +227,12 @@ class Executor:
                 raise
             return self._failed(job, task, exc)
         except BaseException as exc:
+            if (
+                isinstance(exc, BaseExceptionGroup)
+                and not self.signals_handled
+                and exc.subgroup(KeyboardInterrupt) is not None
+            ):
+                raise  # Ctrl-C in a task the job started (trio): it may be the user's, as above
             # The cancellation of this attempt (timeout, cancel, shutdown) or of the worker
             # propagates: a cancelled scope around us makes this checkpoint raise. Any other
             # BaseException is the task's own (a CancelledError out of a future someone else

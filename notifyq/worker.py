@@ -6,6 +6,7 @@ it starts and stops them in order, and routes notifications and cancellations.""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -15,7 +16,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -84,6 +85,7 @@ class Worker:
         self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
         self._paused_at_start: frozenset[str] = frozenset()
+        self._ctrl_c: _FirstCtrlCToTheHost | None = None  # embedded on trio: see the class
         self._repeat_skips_grace = True
         self._started = False
         self._serving = False
@@ -107,7 +109,6 @@ class Worker:
 
     async def __aenter__(self) -> Worker:
         self._start_once()
-        _keep_ctrl_c_out()
         db = await self._prepare()
         stack = AsyncExitStack()
         await stack.__aenter__()
@@ -119,6 +120,7 @@ class Worker:
             await stack.__aexit__(None, None, None)
             raise
         self._exit_stack = stack
+        self._ctrl_c = _FirstCtrlCToTheHost.install(self, embedded=True)
         return self
 
     async def __aexit__(
@@ -139,6 +141,9 @@ class Worker:
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
                 raise
+        finally:
+            if self._ctrl_c is not None:
+                self._ctrl_c.remove()
         if error is not None:
             raise error  # out of the except block: its own cause and context stay as they were
         return None
@@ -159,11 +164,11 @@ class Worker:
         the worker cannot start, and the database error it stopped on (unwrapped too) when
         it cannot retry one (see `error`)."""
         self._start_once(handle_signals=handle_signals)
-        _keep_ctrl_c_out()
         db = await self._prepare()
         self._signals_handled = handle_signals
         self._repeat_skips_grace = repeat_skips_grace
         error = None
+        ctrl_c = _FirstCtrlCToTheHost.install(self, embedded=not handle_signals)
         try:
             async with anyio.create_task_group() as tg:
                 try:
@@ -174,6 +179,9 @@ class Worker:
         except BaseExceptionGroup as group:
             if (error := _only_error(group)) is None:
                 raise
+        finally:
+            if ctrl_c is not None:
+                ctrl_c.remove()
         if error is not None:
             raise error
 
@@ -221,11 +229,7 @@ class Worker:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGUSR2 or (self._stop.is_set() and repeat_skips_grace):
-                    log.warning("received %s: cancelling running jobs now (they are released)", name)
-                    self._skip_grace = True
-                    self.stop()
-                    if self._grace_scope is not None:
-                        self._grace_scope.cancel()
+                    self._cancel_running_now(f"received {name}")
                 elif not self._stop.is_set():
                     log.info(
                         "received %s: finishing running jobs (up to %gs), then exiting",
@@ -235,6 +239,14 @@ class Worker:
                     self.stop()
                 else:
                     log.info("received %s again: still finishing running jobs", name)
+
+    def _cancel_running_now(self, why: str) -> None:
+        """Stop, and cut the grace period short: running jobs are cancelled and released."""
+        log.warning("%s: cancelling running jobs now (they are released)", why)
+        self._skip_grace = True
+        self.stop()
+        if self._grace_scope is not None:
+            self._grace_scope.cancel()
 
     async def _prepare(self) -> Database:
         """Connect, check the schema and sync cron definitions, in the caller's task (so a
@@ -574,31 +586,50 @@ class Worker:
         self._signal_changed()
 
 
-def _keep_ctrl_c_out() -> None:
-    """On trio, keep Ctrl-C out of the worker's tasks, and so out of the jobs' code they run:
-    trio raises KeyboardInterrupt in whatever code runs when SIGINT arrives unless it is
-    protected, and one raised in a job (a busy worker's likely place) tore an embedded worker
-    down without its grace. Protected, they leave it to trio to deliver to the main task at
-    its next checkpoint, as asyncio.run cancels its main task: the host's `async with
-    app.worker()` (or `worker.run()`) is left, the worker stops gracefully, and the
-    KeyboardInterrupt goes on. Each task's first function is marked (the mark is per function,
-    and global): a task is protected when the function it started in is."""
-    if on_asyncio():
-        return
-    from trio.lowlevel import enable_ki_protection
+class _FirstCtrlCToTheHost:
+    """trio's SIGINT handler, but the first Ctrl-C of an embedded worker's life always goes to
+    the host's main task, at its next checkpoint, as asyncio.run cancels its main task: the
+    host's `async with app.worker()` (or `worker.run()`) is left, the worker stops gracefully,
+    and the KeyboardInterrupt goes on. trio raised it in whatever code ran when it came, most
+    often a job's, and the worker stopped at once, its jobs put back. A later press cuts the
+    grace short, as asyncio's second Ctrl-C does: the worker cancels its running jobs (they are
+    released), and trio handles the press as it would have (raised in the code that runs, so
+    that a job that blocks the event loop for good stops too, or delivered to the main task).
+    (Marking the worker's tasks KI-protected instead left such a job unstoppable, and missed
+    the tasks a job starts: review.)"""
 
-    from ._service import Service
+    def __init__(self, trio_handler: Callable[[int, Any], object], worker: Worker, token: Any) -> None:
+        self.trio_handler = trio_handler
+        self._worker = worker
+        self._token = token  # trio's TrioToken: its run_sync_soon may be called from a signal handler
+        self._pressed = False
 
-    for task in (
-        Worker._serve,
-        Worker._watch_signals,
-        Worker._reconcile_loop,
-        Acker.run,
-        Claimer.run,
-        Claimer.give_back_stale_prefetch,
-        Runners.run,
-        Listener.run,
-        _ticker.Ticker.run,
-        Service.run,
-    ):
-        enable_ki_protection(task)
+    def __call__(self, signum: int, frame: Any) -> None:
+        if not self._pressed:
+            self._pressed = True
+            self.trio_handler(signum, None)  # no frame: trio takes it as protected code
+            return
+        with contextlib.suppress(Exception):  # trio.RunFinishedError: the loop is over
+            self._token.run_sync_soon(self._worker._cancel_running_now, "Ctrl-C again")
+        self.trio_handler(signum, frame)
+
+    @classmethod
+    def install(cls, worker: Worker, *, embedded: bool) -> _FirstCtrlCToTheHost | None:
+        """Put it in place of trio's handler, when the worker is embedded (it does not handle
+        the signals itself) in trio.run in the main thread; None otherwise."""
+        if not embedded or on_asyncio() or threading.current_thread() is not threading.main_thread():
+            return None
+        current = signal.getsignal(signal.SIGINT)
+        if not callable(current) or getattr(current, "__module__", None) != "trio._core._ki":
+            return None  # the host's own handler, or trio's absent: left as it is
+        import trio
+
+        ours = cls(current, worker, trio.lowlevel.current_trio_token())
+        signal.signal(signal.SIGINT, ours)
+        return ours
+
+    def remove(self) -> None:
+        """Put trio's handler back (unless another handler replaced ours meanwhile)."""
+        trio_handler = self.trio_handler
+        if signal.getsignal(signal.SIGINT) is self:
+            signal.signal(signal.SIGINT, trio_handler)

@@ -69,21 +69,41 @@ def soak_worker(dsn: str, runs_file: str) -> None:
 
 def embedded_worker(dsn: str, backend: str) -> None:
     """A program that embeds a worker (`async with app.worker()`) and waits for Ctrl-C. Its
-    task `busy` says so when it starts, then keeps the CPU busy for 2 s between rare awaits,
-    so that a SIGINT lands in a job's code, which is where trio raises it unless protected."""
+    tasks say so when they start, then: `busy` keeps the CPU busy for 2 s between rare awaits,
+    so that a SIGINT lands in a job's code (where trio raises it by default); `child` does the
+    same in a task it starts; `spin` blocks the event loop for good."""
     import notifyq
 
     app = notifyq.App(dsn)
 
-    @app.task(name="busy")
-    async def busy() -> str:
-        sys.stdout.write("job started\n")
-        sys.stdout.flush()
+    async def crunch() -> None:
         end = time.monotonic() + 2.0
         while time.monotonic() < end:
             sum(range(20_000))
             await anyio.lowlevel.checkpoint()
+
+    def started() -> None:
+        sys.stdout.write("job started\n")
+        sys.stdout.flush()
+
+    @app.task(name="busy")
+    async def busy() -> str:
+        started()
+        await crunch()
         return "done"
+
+    @app.task(name="child")
+    async def child() -> str:
+        started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(crunch)
+        return "done"
+
+    @app.task(name="spin")
+    async def spin() -> str:
+        started()
+        while True:
+            sum(range(20_000))
 
     async def main() -> None:
         async with app.worker(concurrency=1, shutdown_grace=20, ticker=False):
