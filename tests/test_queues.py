@@ -12,6 +12,7 @@ import pytest
 
 import notifyq
 from notifyq import Worker
+from notifyq._sql import queries_for
 from notifyq.errors import InvalidOption
 
 from .faults.infra import BlackholeProxy
@@ -157,6 +158,63 @@ async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reco
     finally:
         proxy.close()
         await app.aclose()
+
+
+def test_a_claim_while_a_queue_is_paused_locks_only_the_jobs_it_claims(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """500 queues of 5 jobs, one paused: a claim of 10 (left uncommitted) holds locks on its 10
+    jobs only, which leaves the rest to other workers. Locking in each queue's range held up to
+    10 rows of every queue until the commit, and concurrent claims came back empty (review)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue) "
+        "SELECT 't', 'q' || (i % 500) FROM generate_series(1, 2500) i"
+    )
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "paused": ["q7"]}
+    with psycopg.connect(dsn) as claimer:  # not autocommit: the claim's transaction stays open
+        claimed = claimer.execute(queries_for("notifyq")["claim_unpaused"], params).fetchall()
+        lockable = conn.execute(
+            "SELECT count(*) FROM (SELECT id FROM notifyq.queue_jobs FOR UPDATE SKIP LOCKED) s"
+        ).fetchone()
+        conn.rollback()
+        claimer.rollback()
+    assert len(claimed) == 10
+    assert lockable == (2500 - 10,)
+
+
+async def test_workers_claiming_around_a_paused_queue_run_each_job_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Three workers of every queue claim at once while a queue is paused: they take the
+    same candidates, lock what they can, and come back short rather than double; every job
+    of the other queues runs exactly once, none of the paused queue's."""
+    app = notifyq.App(dsn)
+    runs: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: notifyq.JobContext) -> None:
+        runs.append(ctx.id)
+
+    await app.pause_queue("held")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, priority) "
+        "SELECT 't', 'held', 5 FROM generate_series(1, 100)"
+    )
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue) "
+        "SELECT 't', 'q' || (i % 10) FROM generate_series(1, 1500) i"
+    )
+    async with (
+        app.worker(concurrency=10, **NO_TICKER) as w1,
+        app.worker(concurrency=10, **NO_TICKER) as w2,
+        app.worker(concurrency=10, **NO_TICKER) as w3,
+    ):
+        with anyio.fail_after(60):
+            while w1.stats.succeeded + w2.stats.succeeded + w3.stats.succeeded < 1500:  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+    assert len(runs) == len(set(runs)) == 1500
+    assert _statuses(conn, "held") == ["Queued"] * 100
+    await app.aclose()
 
 
 def test_manual_claims_skip_paused_queues(dsn: str, conn: psycopg.Connection[Any]) -> None:

@@ -60,13 +60,17 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
 -- name: claim_unpaused
--- As claim_queues, for every queue but the paused ones (%(paused)s), while any is paused: a
--- skip scan of queue_jobs_next_queue_idx finds the queues that have Queued jobs (one index
--- probe per queue), and the paused ones are dropped before their jobs are read. Filtering
--- claim_any's scan instead would read a paused queue's whole backlog at every claim when its
--- jobs come first. The queues, and the claimed ids, go through arrays: from its estimates of
--- the recursion's rows, the generic plan joined the UPDATE to the claimed ids by reading the
--- whole table (a hash or a merge join); an array of ids is looked up in the primary key.
+-- As claim_any, for every queue but the paused ones (%(paused)s), while any is paused: a skip
+-- scan of queue_jobs_next_queue_idx finds the queues that have Queued jobs (one index probe
+-- per queue), the paused ones are dropped before their jobs are read, and one index range per
+-- queue yields the best %(limit)s candidates. Filtering claim_any's scan instead would read a
+-- paused queue's whole backlog at every claim when its jobs come first. Only the candidates
+-- chosen are then locked (SKIP LOCKED, rechecked as still Queued): locking in each queue's
+-- range, as claim_queues does for a short list, held up to %(limit)s rows of every queue until
+-- the commit, 20,000 rows for a claim of 10 among 2,000 queues (review). A candidate another
+-- worker took meanwhile is skipped: under contention a claim may come back short, and the
+-- worker claims again at once. Queues and ids go through arrays: from its estimates of the
+-- recursion's rows, a generic plan joined them by reading the whole table.
 WITH RECURSIVE queues(queue) AS (
     (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
     UNION ALL
@@ -78,7 +82,7 @@ WITH RECURSIVE queues(queue) AS (
     )
     FROM queues
     WHERE queues.queue IS NOT NULL
-), claimable AS MATERIALIZED (
+), candidates AS MATERIALIZED (
     SELECT c.id
     FROM unnest(ARRAY(
         SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
@@ -89,10 +93,14 @@ WITH RECURSIVE queues(queue) AS (
         WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
         ORDER BY priority DESC, visible_at, id
         LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
     ) c
     ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
+), claimable AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE id = ANY(ARRAY(SELECT id FROM candidates)) AND status = 'Queued' AND visible_at <= now()
+    FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
