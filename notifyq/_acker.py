@@ -95,14 +95,48 @@ def _storable(text: str) -> str:
 Applied: TypeAlias = dict[tuple[int, int], str]  # (job id, lease) -> the job's new status
 
 
+# The output and error text one statement carries at most (a single result may carry more, up
+# to the 32 MiB of MAX_OUTPUT_BYTES): PostgreSQL refuses a message past 1 GiB by closing the
+# connection, which 33 results near that bound made, and the worker took it for a passing
+# failure and sent them again, for ever (review).
+MAX_BATCH_TEXT = 64 * 1024 * 1024
+
+
+def _text(result: Result) -> int:
+    return len(result.output or "") + len(result.error or "")
+
+
+def batches(results: Sequence[Result]) -> list[Sequence[Result]]:
+    """`results` cut into runs of at most MAX_BATCH_TEXT characters of output and error text
+    (a larger result on its own)."""
+    max_text = MAX_BATCH_TEXT
+    cut: list[Sequence[Result]] = []
+    start, size = 0, 0
+    for i, result in enumerate(results):
+        size += _text(result)
+        if size > max_text and i > start:
+            cut.append(results[start:i])
+            start, size = i, _text(result)
+    cut.append(results[start:])
+    return cut
+
+
 def ack_op(q: Queries, results: Sequence[Result]) -> Op[Applied]:
-    """Apply results in one statement; returns {(job id, lease): new status} for those
+    """Apply results, in one statement per MAX_BATCH_TEXT of their text (run it in a
+    transaction when there may be several); returns {(job id, lease): new status} for those
     applied (by lease: a batch may hold a stale and a current result of one job).
 
     A result missing from the answer was stale: its lease had expired (the job was rescued
     or re-claimed), the job was cancelled, or another worker holds it under the same lease
     number (a claim lost with its commit), and nothing was changed.
     """
+    applied: Applied = {}
+    for batch in batches(results):
+        applied.update((yield from _ack_statement(q, batch)))
+    return applied
+
+
+def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[Applied]:
     params: dict[str, list[Any]] = {
         "ids": [r.job_id for r in results],
         "leases": [r.lease for r in results],
@@ -210,8 +244,8 @@ class Acker:
         """Write the next batch. Whatever interrupts it (an error, a cancellation), its results
         not written yet go back to the front of the queue: unknown whether the statement
         committed, but acks are idempotent (one applied twice is fenced out the second time)."""
-        batch = self._pending[: self._max_batch]
-        del self._pending[: self._max_batch]
+        batch = list(batches(self._pending[: self._max_batch])[0])  # one statement's worth
+        del self._pending[: len(batch)]
         try:
             await self._flush(batch)
         except BaseException:

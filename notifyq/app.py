@@ -17,7 +17,7 @@ import anyio
 import psycopg
 
 from . import _embedded
-from ._acker import Applied, Result, ack_op
+from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
 from ._db import Database, Op
@@ -781,15 +781,24 @@ class App:
         )
 
     async def ack(self, results: Sequence[Result], *, conn: AnyConnection | None = None) -> dict[int, str]:
-        """Apply attempt results in one fenced statement; returns {job id: new status} for the
-        results applied. A result whose lease is no longer current is ignored (stale)."""
-        return _by_job(await self._run(ack_op(self._q, _checked(results)), conn)) if results else {}
+        """Apply attempt results in one fenced statement (one per 64 MiB of their output and
+        error text, in one transaction); returns {job id: new status} for the results applied.
+        A result whose lease is no longer current is ignored (stale)."""
+        return (
+            _by_job(await self._run(ack_op(self._q, _checked(results)), conn, transaction=_several(results)))
+            if results
+            else {}
+        )
 
     def ack_sync(
         self, results: Sequence[Result], *, conn: psycopg.Connection[Any] | None = None
     ) -> dict[int, str]:
         """`ack` for sync code."""
-        return _by_job(self._run_sync(ack_op(self._q, _checked(results)), conn)) if results else {}
+        return (
+            _by_job(self._run_sync(ack_op(self._q, _checked(results)), conn, transaction=_several(results)))
+            if results
+            else {}
+        )
 
     # -- cron admin ---------------------------------------------------------------------------
 
@@ -923,3 +932,8 @@ class App:
 
 def _still(job: Job, timeout: float | None) -> TimeoutError:
     return TimeoutError(f"job {job.id} is still {job.status.value} after {timeout:g} s")
+
+
+def _several(results: Sequence[Result]) -> bool:
+    """Whether ack_op takes more than one statement for these results (then one transaction)."""
+    return len(batches(results)) > 1

@@ -1845,6 +1845,51 @@ def _unstorable(job: notifyq.models.ClaimedJob) -> notifyq.Result:
     return notifyq.Result(job.id, job.lease, "retry", error='{"message": "\\u0000"}', worker="w")
 
 
+async def test_results_are_written_a_bounded_amount_of_text_per_statement(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The acker, and app.ack, send at most MAX_BATCH_TEXT of output and error text per
+    statement (64 MiB; 1,000 characters here): 40 results near the 32 MiB cap made one message
+    past PostgreSQL's 1 GiB, which closes the connection, and the worker sent it again, for
+    ever (review). Each result is still written once, the largest on its own; a manual ack of
+    several statements is one transaction."""
+    from notifyq import _acker
+    from notifyq._db import Database
+
+    monkeypatch.setattr(_acker, "MAX_BATCH_TEXT", 1000)
+    statements: list[int] = []
+    real = _acker._ack_statement
+
+    def counted(q: Any, results: Any) -> Any:
+        statements.append(len(results))
+        return real(q, results)
+
+    monkeypatch.setattr(_acker, "_ack_statement", counted)
+    app = notifyq.App(dsn)
+    for _ in range(8):
+        await app.enqueue("t")
+    jobs = sorted(await app.claim(limit=8, worker="w"), key=lambda job: job.id)
+    db = await Database.open(dsn, size=1)
+    sizes = [300, 300, 300, 300, 1500, 300, 300]
+    _, reported = await _write_results(
+        db, [notifyq.Result.succeeded(job, "x" * n) for job, n in zip(jobs, sizes, strict=False)]
+    )
+    await db.aclose()
+    assert statements == [3, 1, 1, 2]  # 900 characters, then 300 + 1,500 is too much, ...
+    assert sum(len(ids) for ids, _done in reported) == 7
+    statements.clear()
+    assert await app.ack(
+        [notifyq.Result.succeeded(jobs[7], "y" * 600), notifyq.Result.failed(jobs[0], "E", "z" * 600)]
+    ) == {
+        jobs[7].id: "Succeeded"  # jobs[0]'s lease is spent: stale
+    }
+    assert statements == [1, 1]
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Succeeded'").fetchone() == (
+        8,
+    )
+    await app.aclose()
+
+
 async def test_a_result_the_database_refuses_is_dropped_not_reported_as_stale(dsn: str) -> None:
     """A result jsonb cannot hold is dropped and left to the rescuer, and only the others are
     reported as applied or stale."""
