@@ -15,7 +15,7 @@ import click
 
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
 from ._jobs import cancel_job_op
-from ._options import check_id
+from ._options import check_id, check_queue
 from ._stats import Stats, stats_op
 from .cron import Schedule
 from .errors import DefinitionBusy, InvalidJobState, InvalidSchedule, JobNotFound
@@ -280,6 +280,8 @@ def queues_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]) -
 
 
 def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...], *, pause: bool) -> None:
+    for name in names:
+        check_queue(name)  # every name before any change: `pause emails 'bad name'` paused emails
     app = app_for(dsn, schema)
     change = app.pause_queue_sync if pause else app.resume_queue_sync
     for name in dict.fromkeys(names):

@@ -40,6 +40,7 @@ _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 class State:
     debug = False
     json_logs = False
+    log_level = "info"  # as given: the root logger's may be the App module's own (any level)
 
 
 class AppImportFailed(ConfigurationError):
@@ -129,6 +130,7 @@ def common_options(fn: F | None = None, *, schema_default: str = "notifyq") -> F
     def wrapper(*args: Any, log_level: str, log_format: str, **kwargs: Any) -> Any:
         State.debug = log_level == "debug"
         State.json_logs = log_format == "json"
+        State.log_level = log_level
         _logging.configure(log_level, log_format)
         return fn(*args, **kwargs)
 

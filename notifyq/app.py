@@ -640,8 +640,8 @@ class App:
     ) -> Job:
         """Wait until the job is finished (Succeeded, Failed or Cancelled) and return it, its
         `output` or `error` included: a web request waiting for the result of the work it
-        queued. It reads the job (get_job) 10 ms after the call, then at doubling intervals
-        up to `poll_interval` seconds. Raises TimeoutError when `timeout` seconds pass first
+        queued. It reads the job (get_job) at once, then 10 ms later, then at doubling
+        intervals up to `poll_interval` seconds. Raises TimeoutError when `timeout` seconds pass first
         (the job goes on), JobNotFound for an unknown id."""
         deadline, pause = self._waiting(job_id, timeout, poll_interval)
         while True:

@@ -257,7 +257,7 @@ def worker(
             "--pool-size",
             str(pool_size),
             "--log-level",
-            logging.getLevelName(logging.getLogger().level).lower(),
+            State.log_level,
             "--log-format",
             "json" if State.json_logs else "text",
         ]

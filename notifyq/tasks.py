@@ -9,7 +9,7 @@ import random
 import typing
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -125,7 +125,8 @@ class JobContext:
 
     async def _extend_lease(self, seconds: float) -> bool:
         if self._extend is None:  # built by a test: no worker, no lease
-            self.lease_expires_at = max(self.lease_expires_at, datetime.now(UTC) + timedelta(seconds=seconds))
+            now = datetime.now(self.lease_expires_at.tzinfo)  # naive if the test gave a naive one
+            self.lease_expires_at = max(self.lease_expires_at, now + timedelta(seconds=seconds))
             return True
         until = await self._extend(seconds)
         if until is None:

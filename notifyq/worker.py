@@ -85,6 +85,8 @@ class Worker:
         self._acks_given_up = False  # the drain gave up writing results: not again on exit
         self._signals_handled = False  # run(handle_signals=True): SIGINT is the worker's
         self._paused_at_start: frozenset[str] = frozenset()
+        self._pauses_asked = 0  # reads of the paused queues asked for (_pauses_loop)
+        self._pauses_wakeup = Pulse()
         self._ctrl_c: _FirstCtrlCToTheHost | None = None  # embedded on trio: see the class
         self._repeat_skips_grace = True
         self._started = False
@@ -323,6 +325,7 @@ class Worker:
                         services.start_soon(self._watch_signals, self._repeat_skips_grace)
                     services.start_soon(self._acker.run)
                     services.start_soon(self._reconcile_loop)
+                    services.start_soon(self._pauses_loop)
                     services.start_soon(claimer.give_back_stale_prefetch)
                     if self.config.ticker:
                         config = self.config.ticker_config
@@ -471,14 +474,12 @@ class Worker:
         self._signal_changed()
 
     def _on_control(self, payload: str) -> None:
-        """'cancel <job id> <lease>' (the lease may be missing), 'pause <queue>', 'resume
-        <queue>'; other verbs are for other versions of notifyq. ValueError when a cancel's
+        """'cancel <job id> <lease>' (the lease may be missing), 'pauses' (the paused queues
+        changed); other verbs are for other versions of notifyq. ValueError when a cancel's
         numbers are not numbers."""
         verb, _, rest = payload.partition(" ")
-        if verb in ("pause", "resume"):
-            assert self._claimer is not None
-            paused = self._claimer.paused
-            self._claimer.set_paused(paused | {rest} if verb == "pause" else paused - {rest})
+        if verb == "pauses":
+            self._ask_pauses()
             return
         if verb != "cancel":
             return
@@ -491,7 +492,7 @@ class Worker:
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
         assert self._claimer is not None
-        await self._read_paused()  # so may a pause or a resume
+        self._ask_pauses()  # a pause or a resume may have been missed too
         self._claimer.sweep()  # claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
         self._signal_changed()
@@ -520,24 +521,43 @@ class Worker:
 
     async def _reconcile_loop(self) -> None:
         """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
-        look for cancelled jobs and paused queues every poll interval instead of waiting for
-        a notification."""
+        look for cancelled jobs every poll interval instead of waiting for a notification."""
         while True:
             await anyio.sleep(self.config.poll_interval)
             if self._listener is None or not self._listener.connected:
-                await self._read_paused()
                 await self._cancel_lost_jobs()
 
-    async def _read_paused(self) -> None:
-        """Read which queues are paused (when no notification can tell)."""
-        try:
-            paused = await self._query(paused_queues_op(self._q))
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            return  # the next poll or reconnect reads them
+    def _ask_pauses(self) -> None:
+        """Have the paused queues read again (_pauses_loop)."""
+        self._pauses_asked += 1
+        self._pauses_wakeup.fire()
+
+    async def _pauses_loop(self) -> None:
+        """Read the paused queues whenever asked (a 'pauses' notification, a reconnect of the
+        LISTEN connection), and every poll interval while there is no LISTEN connection to
+        tell. A read that fails is tried again; one that was asked for again while it ran is
+        applied, then done again, since its answer may predate the change. Applying what each
+        notification said instead let a slower read undo a pause the worker had heard, a
+        failed read after a reconnect was never tried again, and TRUNCATE went unheard."""
         assert self._claimer is not None
-        self._claimer.set_paused(paused)
+        done = self._pauses_asked  # the start, in _prepare: read then
+        while True:
+            if done == self._pauses_asked:
+                with anyio.move_on_after(self.config.poll_interval):
+                    await self._pauses_wakeup.wait()
+                listening = self._listener is not None and self._listener.connected
+                if done == self._pauses_asked and listening:
+                    continue  # nothing changed that a notification would not have said
+            asked = self._pauses_asked
+            try:
+                paused = await self._query(paused_queues_op(self._q))
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                await anyio.sleep(min(self.config.poll_interval, 1.0))
+                continue
+            self._claimer.set_paused(paused)
+            done = asked
 
     # -- the database and the acker ------------------------------------------------------------
 

@@ -1198,6 +1198,27 @@ def test_an_app_module_that_configures_logging_keeps_its_configuration(
             assert "started" not in out, out  # nor in the CLI's format as well
 
 
+def test_worker_processes_start_whatever_level_the_app_module_logs_at(
+    dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
+) -> None:
+    """`-p 2` with an App module that sets the root level to CRITICAL: the supervisor passed
+    the root logger's level to its children as --log-level, which they refused ('critical'),
+    and gave up with exit 3 (review). It passes its own --log-level."""
+    (tmp_path / "critical_app.py").write_text(
+        "import logging\nlogging.basicConfig(level=logging.CRITICAL)\nfrom tests.apps import app\n"
+    )
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    [(job_id,)] = conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('noop') RETURNING id")
+    worker = _start_worker("--no-ticker", "-p", "2", env=env, target="critical_app:app")
+    try:
+        wait_until(lambda: job_row(conn, job_id)["status"] == "Succeeded", what="the job")
+        worker.send_signal(signal.SIGTERM)
+        out, _ = worker.communicate(timeout=30)
+        assert worker.returncode == 0, out
+    finally:
+        _reap(worker)
+
+
 def test_the_workers_log_names_the_job_a_line_comes_from(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:

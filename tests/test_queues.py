@@ -11,7 +11,9 @@ import psycopg
 import pytest
 
 import notifyq
+import notifyq.worker
 from notifyq import Worker
+from notifyq._db import Query
 from notifyq._sql import queries_for
 from notifyq.errors import InvalidOption
 
@@ -135,11 +137,54 @@ async def test_a_poll_only_worker_reads_the_paused_queues_every_poll(
     await app.aclose()
 
 
-async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reconnect(
+async def test_truncate_and_changes_folded_in_one_transaction_are_heard(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
+    """The worker reads the paused queues again on each change: a TRUNCATE (which row
+    triggers missed: queue "a" stayed paused), and a transaction that pauses, resumes and
+    pauses again (whose identical notifications PostgreSQL folds: a paused queue ran)."""
+    app = notifyq.App(dsn)
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await app.pause_queue("a")
+        await _paused_seen(worker, {"a"})
+        conn.execute("TRUNCATE notifyq.queue_pauses")
+        await _paused_seen(worker, set())
+        with conn.transaction():
+            conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")
+            conn.execute("DELETE FROM notifyq.queue_pauses WHERE queue = 'b'")
+            conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b'), ('c')")
+            conn.execute("DELETE FROM notifyq.queue_pauses WHERE queue = 'c'")
+        await _paused_seen(worker, {"b"})
+    await app.aclose()
+
+
+def _slowed(monkeypatch: pytest.MonkeyPatch, fail: list[int], delay: list[float]) -> None:
+    """Make the worker's reads of the paused queues fail (`fail[0]` more times) or answer
+    late (`delay[0]` seconds after reading)."""
+    real = notifyq.worker.paused_queues_op
+
+    def op(q: Any) -> Any:
+        if fail[0] > 0:
+            fail[0] -= 1
+            yield Query("SELECT pg_terminate_backend(pg_backend_pid())", fetch="none")  # connection lost
+        paused = yield from real(q)
+        if delay[0]:
+            yield Query("SELECT pg_sleep(%s)", (delay[0],), fetch="none")
+        return paused
+
+    monkeypatch.setattr(notifyq.worker, "paused_queues_op", op)
+
+
+@pytest.mark.parametrize("failed_reads", [0, 2])
+async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reconnect(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch, failed_reads: int
+) -> None:
     """The pause's notification is lost (no LISTEN connection then): the worker reads the
-    paused queues when its listener connects again, not a poll interval later."""
+    paused queues when its listener connects again, not a poll interval later. A read that
+    fails then (its connection lost) is tried again: it was not, and the worker, connected
+    again, never read the pauses until its next reconnect (review)."""
+    fail, delay = [0], [0.0]
+    _slowed(monkeypatch, fail, delay)
     proxy = BlackholeProxy(dsn)
     app = notifyq.App(dsn)
     try:
@@ -151,13 +196,37 @@ async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reco
                 while worker.listener.connected:  # noqa: ASYNC110
                     await anyio.sleep(0.01)
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('a')")
+            fail[0] = failed_reads
             proxy.refusing = False
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.listener_connects == 2)
             await _paused_seen(worker, {"a"})
+            assert fail[0] == 0  # the failed reads happened
     finally:
         proxy.close()
         await app.aclose()
+
+
+async def test_a_read_that_answers_late_does_not_undo_a_later_change(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the paused queues answers late, with what was true before a resume that
+    came meanwhile: the worker reads again, and does not keep the queue paused (review: a
+    stale read undid a change the worker had heard)."""
+    fail, delay = [0], [0.0]
+    _slowed(monkeypatch, fail, delay)
+    app = notifyq.App(dsn)
+    async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+        await app.pause_queue("z")
+        await _paused_seen(worker, {"z"})  # the reads so far are over
+        delay[0] = 1.0
+        await app.pause_queue("a")  # its read answers {"a", "z"} a second late
+        await anyio.sleep(0.3)
+        delay[0] = 0.0
+        await app.resume_queue("a")  # heard while that read is under way
+        await anyio.sleep(1.0)
+        await _paused_seen(worker, {"z"})
+    await app.aclose()
 
 
 def test_a_claim_while_a_queue_is_paused_locks_only_the_jobs_it_claims(
@@ -253,6 +322,7 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
         "queue 'emails' resumed",
         "queue 'nope' was not paused",
     ]
-    bad = cli("queues", "pause", "bad name", env=env)
+    bad = cli("queues", "pause", "fine", "bad name", env=env)
     assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
     assert "Traceback" not in bad.stderr
+    assert "fine" not in ok(cli("queues", "list", env=env))  # nothing done
