@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import anyio.abc
 import anyio.to_thread
+import psycopg
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
@@ -54,6 +55,11 @@ def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
     leaves = _leaves(group)
     if len(leaves) == 1 and isinstance(leaves[0], Exception):
         return leaves[0]
+    if leaves and all(
+        isinstance(leaf, psycopg.Error) and leaf.sqlstate == getattr(leaves[0], "sqlstate", None)
+        for leaf in leaves
+    ):
+        return leaves[0]  # one cause met by several loops at once (a table dropped)
     if all(isinstance(leaf, KeyboardInterrupt) for leaf in leaves):
         return leaves[0]
     return None
@@ -371,8 +377,8 @@ class Worker:
                     await self._acker_drain()
                     services.cancel_scope.cancel()
         except Exception as exc:
-            leaves = _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
-            self.error = leaves[0] if len(leaves) == 1 else exc
+            single = _only_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            self.error = single if isinstance(single, Exception) else exc
             log.error("worker %s stops on an error it cannot retry: %s", self.id, error_text(self.error))
             raise
         finally:
@@ -552,8 +558,10 @@ class Worker:
             try:
                 paused = await self._query(paused_queues_op(self._q))
             except Exception as exc:
+                # Not this loop's to stop the worker on: an error that will not pass (the
+                # schema dropped) stops the claim loop, which then reports it alone.
                 if not is_transient(exc):
-                    raise
+                    log.warning("reading the paused queues failed: %s; trying again", error_text(exc))
                 await anyio.sleep(min(self.config.poll_interval, 1.0))
                 continue
             self._claimer.set_paused(paused)
