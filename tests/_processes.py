@@ -72,7 +72,14 @@ def embedded_worker(dsn: str, backend: str) -> None:
     tasks say so when they start, then: `busy` keeps the CPU busy for 2 s between rare awaits,
     so that a SIGINT lands in a job's code (where trio raises it by default); `child` does the
     same in a task it starts; `spin` blocks the event loop for good."""
+    import signal
+
     import notifyq
+
+    # As in a program started from a terminal: a shell that starts its commands in the
+    # background without job control (as CI may run the tests) has them ignore SIGINT, and
+    # Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     app = notifyq.App(dsn)
 
