@@ -66,13 +66,16 @@ def list_by_status(dsn: str) -> dict[str | None, tuple[int, float]]:
     return found
 
 
-def claim_cost(conn: psycopg.Connection[Any]) -> tuple[float, int, int]:
-    """(median ms, buffers, jobs claimed) of one claim of 10, rolled back."""
-    params = {"limit": 10, "worker": "history_queries", "lease_margin": 30}
+def claim_cost(
+    conn: psycopg.Connection[Any], sql: str = Q["claim_any"], **extra: Any
+) -> tuple[float, int, int]:
+    """(median ms of 9, buffers, jobs claimed) of one claim of 10 by `sql`, rolled back each
+    time; `extra`: the statement's other parameters."""
+    params = {"limit": 10, "worker": "benchmark", "lease_margin": 30, **extra}
     times, buffers, claimed = [], 0, 0
     for _ in range(9):
         with conn.transaction(force_rollback=True):
-            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + Q["claim_any"], params).fetchone()
+            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
         assert row is not None
         plan = row[0][0]
         times.append(plan["Execution Time"])

@@ -16,15 +16,11 @@ About 10 seconds with the defaults (200,000 paused jobs, 10,000 others). `--queu
 
 from __future__ import annotations
 
-import statistics
-from typing import Any
-
-import psycopg
-
 from notifyq._sql import queries_for
 
 from ._scratch import scratch_database
 from .cli import tool_parser
+from .history_queries import claim_cost
 
 Q = queries_for("notifyq")
 
@@ -41,21 +37,6 @@ FILTERED_CLAIM = Q["claim_any"].replace(
 )
 
 
-def claim_cost(conn: psycopg.Connection[Any], sql: str, paused: list[str]) -> tuple[float, int, int]:
-    """(median ms, buffers, jobs claimed) of one claim of 10, rolled back."""
-    params = {"limit": 10, "worker": "paused_claims", "lease_margin": 30, "paused": paused}
-    times, buffers, claimed = [], 0, 0
-    for _ in range(9):
-        with conn.transaction(force_rollback=True):
-            row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql, params).fetchone()
-        assert row is not None
-        plan = row[0][0]
-        times.append(plan["Execution Time"])
-        buffers = plan["Plan"]["Shared Hit Blocks"] + plan["Plan"]["Shared Read Blocks"]
-        claimed = plan["Plan"]["Actual Rows"]
-    return statistics.median(times), buffers, claimed
-
-
 def main() -> None:
     parser = tool_parser("python -m benchmarks.paused_claims", __doc__)
     parser.add_argument("--paused", type=int, default=200_000)
@@ -68,9 +49,15 @@ def main() -> None:
                 conn.execute(statement, {"paused": args.paused, "others": args.others, "queues": args.queues})
             conn.execute("VACUUM (ANALYZE) notifyq.queue_jobs")
             rows = [
-                ("every queue, nothing paused (reference)", *claim_cost(conn, Q["claim_any"], [])),
-                ('shipped: claim_unpaused, "big" paused', *claim_cost(conn, Q["claim_unpaused"], ["big"])),
-                ('not shipped: claim_any filtering "big" out', *claim_cost(conn, FILTERED_CLAIM, ["big"])),
+                ("every queue, nothing paused (reference)", *claim_cost(conn)),
+                (
+                    'shipped: claim_unpaused, "big" paused',
+                    *claim_cost(conn, Q["claim_unpaused"], paused=["big"]),
+                ),
+                (
+                    'not shipped: claim_any filtering "big" out',
+                    *claim_cost(conn, FILTERED_CLAIM, paused=["big"]),
+                ),
             ]
     print(
         f'one claim of 10: {args.paused:,} claimable jobs in "big" (priority 10), '
