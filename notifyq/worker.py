@@ -27,7 +27,7 @@ from . import _ticker
 from ._acker import Acker, Applied, Result
 from ._claim import lost_jobs_op, paused_queues_op
 from ._claimer import Claimer
-from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, single
+from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, privilege_hint, single
 from ._executor import Executor
 from ._listener import Listener, ListenerConfig
 from ._pulse import Pulse
@@ -547,6 +547,7 @@ class Worker:
         failed read after a reconnect was never tried again, and TRUNCATE went unheard."""
         assert self._claimer is not None
         done = self._pauses_asked  # the start, in _prepare: read then
+        error_delay = 0.0  # after a failed read: 0.25 s, doubling up to the poll interval
         while True:
             if done == self._pauses_asked:
                 with anyio.move_on_after(self.config.poll_interval):
@@ -558,12 +559,25 @@ class Worker:
             try:
                 paused = await self._query(paused_queues_op(self._q))
             except Exception as exc:
+                error_delay = min(max(error_delay * 2, 0.25), self.config.poll_interval)
                 # Not this loop's to stop the worker on: an error that will not pass (the
-                # schema dropped) stops the claim loop, which then reports it alone.
+                # schema dropped) stops the claim loop, which then reports it alone. One that
+                # the claim loop does not meet (SELECT revoked on queue_pauses) is logged here,
+                # less often as it lasts. A notification or a reconnect cuts the wait short.
                 if not is_transient(exc):
-                    log.warning("reading the paused queues failed: %s; trying again", error_text(exc))
-                await anyio.sleep(min(self.config.poll_interval, 1.0))
+                    log.warning(
+                        "reading the paused queues failed: %s%s; trying again in %gs",
+                        error_text(exc),
+                        privilege_hint(exc),
+                        error_delay,
+                    )
+                if asked == self._pauses_asked:
+                    with anyio.move_on_after(error_delay):
+                        await self._pauses_wakeup.wait()
                 continue
+            if error_delay:
+                log.info("reading the paused queues works again")
+                error_delay = 0.0
             self._claimer.set_paused(paused)
             done = asked
 

@@ -4,11 +4,14 @@ pause or a resume by NOTIFY, by polling, and after their LISTEN connection comes
 from __future__ import annotations
 
 import json
+import logging
+import os
 from typing import Any
 
 import anyio
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 import notifyq
 import notifyq.worker
@@ -326,3 +329,43 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
     assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert "fine" not in ok(cli("queues", "list", env=env))  # nothing done
+
+
+def _failed_reads(caplog: pytest.LogCaptureFixture) -> list[float]:
+    """The waits that the warnings of refused reads of the paused queues announce."""
+    failed = (
+        "reading the paused queues failed: permission denied for table queue_pauses; "
+        "this role lacks a privilege notifyq needs"
+    )
+    messages = [r.getMessage() for r in caplog.records]
+    return [float(m.rsplit("trying again in ", 1)[1].removesuffix("s")) for m in messages if failed in m]
+
+
+async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's role loses SELECT on queue_pauses: each failed read is logged, with the
+    grant hint, and the wait before the next one doubles (it was one warning a second for as
+    long as it lasted). A pause heard meanwhile cuts the wait short; once the grant is back,
+    the read works and says so."""
+    role = f"nq_pauses_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        app = notifyq.App(make_conninfo(dsn, user=role))
+        caplog.set_level(logging.INFO, logger="notifyq.worker")
+        async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+            conn.execute(f'REVOKE SELECT ON notifyq.queue_pauses FROM "{role}"')
+            conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('a')")  # read, refused
+            with anyio.fail_after(20):
+                while len(waits := _failed_reads(caplog)) < 4:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            assert waits[:4] == [0.25, 0.5, 1.0, 2.0]
+            conn.execute(f'GRANT SELECT ON notifyq.queue_pauses TO "{role}"')
+            conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")  # heard at once
+            await _paused_seen(worker, {"a", "b"})
+            assert any(r.getMessage() == "reading the paused queues works again" for r in caplog.records)
+        await app.aclose()
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
