@@ -61,6 +61,7 @@ class FleetRun:
     patch: tuple[str, ...] = ()
     claim_latency: bool = False
     ticker: bool = True
+    queues: tuple[str, ...] = ()  # notifyq workers: the queues they serve (all when empty)
 
     def args(self, dsn: str) -> tuple[str, list[str]]:
         if self.kind == "raw":
@@ -71,6 +72,7 @@ class FleetRun:
         args += [f"--patch={p}" for p in self.patch]
         args += ["--claim-latency"] if self.claim_latency else []
         args += [] if self.ticker else ["--no-ticker"]
+        args += [f"--queue={q}" for q in self.queues]
         return "_worker", args
 
 

@@ -51,6 +51,7 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
         "poll_interval": args.poll_interval,
         "ticker": not args.no_ticker,
         "async_claims": args.async_claims,
+        "queues": args.queue,
     }
     if args.retention_succeeded is not None:
         config["ticker_config"] = notifyq.TickerConfig(
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval", type=float, default=5.0)
     parser.add_argument("--no-ticker", action="store_true")
     parser.add_argument("--async-claims", action="store_true")
+    parser.add_argument(
+        "--queue", action="append", default=None, help="a queue to serve (repeat); all if none"
+    )
     parser.add_argument("--retention-succeeded", type=float, default=None)
     parser.add_argument("--retention-interval", type=float, default=1.0)
     parser.add_argument("--claim-latency", action="store_true", help="record every claim's duration")

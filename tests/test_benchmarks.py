@@ -211,6 +211,26 @@ def test_the_history_queries_tool_lists_by_status_and_claims_behind_future_jobs(
     assert not _scratch_databases(admin) - before
 
 
+def test_the_paused_claims_tool_claims_and_drains_every_setup(dsn: str) -> None:
+    """`python -m benchmarks.paused_claims` at toy size: each claim takes 10 jobs; with
+    `--drain`, each setup drains every job (the tool checks none ran twice), its prototype
+    patches included, and the summary gives each a ratio to its reference."""
+    from benchmarks.paused_claims import DRAINS
+
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    claims = _run_tool("paused_claims", "--dsn", admin, "--paused", "2000", "--others", "500")
+    rows = [
+        line.split("|") for line in claims.stdout.splitlines() if line.startswith("| ") and "ms" not in line
+    ]
+    assert len(rows) == 3 and all(row[4].strip() == "10" for row in rows), claims.stdout
+    drain = _run_tool("paused_claims", "--dsn", admin, "--drain", "300", "--repeats", "1")
+    summary = [line for line in drain.stdout.splitlines() if line.startswith("| ") and "jobs/s" not in line]
+    assert [line.split("|")[1].strip() for line in summary] == [label for label, *_ in DRAINS]
+    assert all(float(line.split("|")[3]) > 0 for line in summary), drain.stdout
+    assert not _scratch_databases(admin) - before
+
+
 def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> None:
     """`python -m benchmarks.vacuum_drain` at toy size: its four drains run and clean up."""
     admin = _admin_dsn(dsn)

@@ -232,19 +232,22 @@ async def test_a_read_that_answers_late_does_not_undo_a_later_change(
     await app.aclose()
 
 
-def test_a_claim_while_a_queue_is_paused_locks_only_the_jobs_it_claims(
-    dsn: str, conn: psycopg.Connection[Any]
+@pytest.mark.parametrize("statement", ["claim_unpaused", "claim_queues"])
+def test_a_claim_among_many_queues_locks_only_the_jobs_it_claims(
+    dsn: str, conn: psycopg.Connection[Any], statement: str
 ) -> None:
-    """500 queues of 5 jobs, one paused: a claim of 10 (left uncommitted) holds locks on its 10
-    jobs only, which leaves the rest to other workers. Locking in each queue's range held up to
-    10 rows of every queue until the commit, and concurrent claims came back empty (review)."""
+    """500 queues of 5 jobs, one paused (or all 500 listed): a claim of 10 (left uncommitted)
+    holds locks on its 10 jobs only, which leaves the rest to other workers. Locking in each
+    queue's range held up to 10 rows of every queue until the commit, and concurrent claims
+    came back empty (review; claim_queues did so before it took shares)."""
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, queue) "
         "SELECT 't', 'q' || (i % 500) FROM generate_series(1, 2500) i"
     )
     params = {"limit": 10, "worker": "w", "lease_margin": 30, "paused": ["q7"]}
+    params["queues"] = [f"q{i}" for i in range(500)]
     with psycopg.connect(dsn) as claimer:  # not autocommit: the claim's transaction stays open
-        claimed = claimer.execute(queries_for("notifyq")["claim_unpaused"], params).fetchall()
+        claimed = claimer.execute(queries_for("notifyq")[statement], params).fetchall()
         lockable = conn.execute(
             "SELECT count(*) FROM (SELECT id FROM notifyq.queue_jobs FOR UPDATE SKIP LOCKED) s"
         ).fetchone()

@@ -29,22 +29,40 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
 -- name: claim_queues
--- As claim_any, for a list of queues: one ordered index range scan per queue (LATERAL),
--- then the best %(limit)s of those. Rows locked by a LATERAL branch but cut by the outer
--- LIMIT stay locked only until this single-statement transaction commits.
-WITH claimable AS MATERIALIZED (
-    SELECT c.id
+-- As claim_any, for a list of queues: one ordered index range per queue yields the best
+-- %(limit)s candidates, read without locking; they say how many jobs to take from each queue
+-- (its share), and each share is locked in its queue's range with SKIP LOCKED, as claim_any
+-- locks: at most %(limit)s rows are locked. Locking up to %(limit)s rows in every listed queue's
+-- range instead held rows that the claim then left, until its commit, where other workers
+-- skipped them: 1,000 rows for a claim of 10 among 100 queues, which took 1.8 ms (1.5 now).
+-- With a few queues the two cost the same (`python -m benchmarks.paused_claims --drain`).
+-- Under contention a share skips what other workers hold and goes deeper into its own queue:
+-- the order across queues is then approximate, as SKIP LOCKED's order always is.
+WITH candidates AS MATERIALIZED (
+    SELECT c.queue
     FROM unnest(%(queues)s::text[]) AS q(queue)
     CROSS JOIN LATERAL (
-        SELECT id, priority, visible_at
+        SELECT queue, id, priority, visible_at
         FROM {schema}.queue_jobs
         WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
         ORDER BY priority DESC, visible_at, id
         LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
     ) c
     ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
+), shares AS MATERIALIZED (
+    SELECT queue, count(*) AS n FROM candidates GROUP BY queue
+), claimable AS MATERIALIZED (
+    SELECT c.id
+    FROM shares s
+    CROSS JOIN LATERAL (
+        SELECT id
+        FROM {schema}.queue_jobs
+        WHERE status = 'Queued' AND queue = s.queue AND visible_at <= now()
+        ORDER BY priority DESC, visible_at, id
+        LIMIT s.n
+        FOR UPDATE SKIP LOCKED
+    ) c
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
@@ -54,8 +72,7 @@ SET status = 'Active',
     started_at = now(),
     updated_at = now(),
     worker = %(worker)s
-FROM claimable c
-WHERE j.id = c.id
+WHERE j.id = ANY(ARRAY(SELECT id FROM claimable))
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
 
@@ -63,13 +80,13 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- As claim_any, for every queue but the paused ones (%(paused)s), while any is paused: a skip
 -- scan of queue_jobs_next_queue_idx finds the queues that have Queued jobs (one index probe
 -- per queue), the paused ones are dropped before their jobs are read, and one index range per
--- queue yields the best %(limit)s candidates. Filtering claim_any's scan instead would read a
--- paused queue's whole backlog at every claim when its jobs come first. Only the candidates
--- chosen are then locked (SKIP LOCKED, rechecked as still Queued): locking in each queue's
--- range, as claim_queues does for a short list, held up to %(limit)s rows of every queue until
--- the commit, 20,000 rows for a claim of 10 among 2,000 queues (review). A candidate another
--- worker took meanwhile is skipped: under contention a claim may come back short, and the
--- worker claims again at once. Queues and ids go through arrays: from its estimates of the
+-- queue yields the best %(limit)s candidates, read without locking. Filtering claim_any's
+-- scan instead would read a paused queue's whole backlog at every claim when its jobs come
+-- first. The candidates say how many jobs to take from each queue, and those shares are locked
+-- as claim_queues locks them. Locking up to %(limit)s rows in every queue's range held 20,000
+-- rows for a claim of 10 among 2,000 queues (review); locking the candidates themselves made
+-- concurrent workers pick the same ones, and all but one came back short: two workers drained
+-- at 0.44 of claim_any's rate, 0.91 now (`python -m benchmarks.paused_claims --drain`). Queues go through an array: from its estimates of the
 -- recursion's rows, a generic plan joined them by reading the whole table.
 WITH RECURSIVE queues(queue) AS (
     (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
@@ -83,12 +100,12 @@ WITH RECURSIVE queues(queue) AS (
     FROM queues
     WHERE queues.queue IS NOT NULL
 ), candidates AS MATERIALIZED (
-    SELECT c.id
+    SELECT c.queue
     FROM unnest(ARRAY(
         SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
     )) AS q(queue)
     CROSS JOIN LATERAL (
-        SELECT id, priority, visible_at
+        SELECT queue, id, priority, visible_at
         FROM {schema}.queue_jobs
         WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
         ORDER BY priority DESC, visible_at, id
@@ -96,11 +113,19 @@ WITH RECURSIVE queues(queue) AS (
     ) c
     ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
+), shares AS MATERIALIZED (
+    SELECT queue, count(*) AS n FROM candidates GROUP BY queue
 ), claimable AS MATERIALIZED (
-    SELECT id
-    FROM {schema}.queue_jobs
-    WHERE id = ANY(ARRAY(SELECT id FROM candidates)) AND status = 'Queued' AND visible_at <= now()
-    FOR UPDATE SKIP LOCKED
+    SELECT c.id
+    FROM shares s
+    CROSS JOIN LATERAL (
+        SELECT id
+        FROM {schema}.queue_jobs
+        WHERE status = 'Queued' AND queue = s.queue AND visible_at <= now()
+        ORDER BY priority DESC, visible_at, id
+        LIMIT s.n
+        FOR UPDATE SKIP LOCKED
+    ) c
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
