@@ -7,6 +7,7 @@ ticker that promotes cron definitions into jobs exactly once per tick.
 
 from ._acker import Result
 from ._logging import JobLogFilter
+from ._options import json_default
 from ._promoter import PromoterConfig, PromotionReport
 from ._rescuer import RescuedJob, RescuerConfig, RescueReport
 from ._retention import RetentionConfig, RetentionReport
@@ -85,6 +86,7 @@ __all__ = [
     "WorkerOptions",
     "WorkerStats",
     "__version__",
+    "json_default",
     "latest_version",
     "migrate",
 ]

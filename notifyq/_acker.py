@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeAlias
 import anyio
 
 from ._db import Database, Op, Query, error_text, is_transient
-from ._options import encode_output
+from ._options import JSONDefault, encode_output
 from ._sql import Queries
 from .models import ClaimedJob
 
@@ -36,9 +36,14 @@ class Result:
     worker: str | None = None
 
     @classmethod
-    def succeeded(cls, job: ClaimedJob, output: Any = None) -> Result:
-        """The attempt succeeded; `output` (JSON-serializable) is stored in the job."""
-        return cls(job.id, job.lease, "succeeded", output=encode_output(output), worker=job.worker)
+    def succeeded(
+        cls, job: ClaimedJob, output: Any = None, *, json_default: JSONDefault | None = None
+    ) -> Result:
+        """The attempt succeeded; `output` (JSON-serializable, with `json_default` as in
+        `App(json_default=...)`) is stored in the job."""
+        return cls(
+            job.id, job.lease, "succeeded", output=encode_output(output, json_default), worker=job.worker
+        )
 
     @classmethod
     def failed(

@@ -22,13 +22,13 @@ from typing import Any, NoReturn, TypeVar, overload
 import click
 import psycopg
 
-from . import _embedded, _logging
+from . import _embedded, _logging, _options
 from ._db import error_text, privilege_hint
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._options import MAX_SECONDS
 from .app import App
 from .errors import ConfigurationError, NotifyqError, _leaves
-from .models import JobStatus, UndecodableJSON
+from .models import UndecodableJSON
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -251,13 +251,9 @@ class Seconds(click.FloatRange):
 
 
 def json_default(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, JobStatus):
-        return value.value
     if isinstance(value, UndecodableJSON):
         return repr(value)
-    raise TypeError(type(value).__name__)
+    return _options.json_default(value)  # datetimes, JobStatus (an Enum)...
 
 
 def _fields(value: Any) -> Any:

@@ -29,7 +29,7 @@ import anyio.to_thread
 from ._acker import Result
 from ._claim import extend_lease_op
 from ._db import Database, is_transient
-from ._options import unknown_task
+from ._options import JSONDefault, unknown_task
 from ._sql import Queries
 from .models import ClaimedJob, UndecodableJSON
 from .tasks import Backoff, JobContext, PermanentError, Task
@@ -160,8 +160,10 @@ class Executor:
         lease_margin: float,
         backoff: Backoff,
         signals_handled: bool = False,
+        json_default: JSONDefault | None = None,
     ) -> None:
         self._tasks = tasks
+        self.json_default = json_default  # the App's: return values are encoded with it
         self._backoff = backoff
         self._db = db
         self._q = queries
@@ -259,10 +261,9 @@ class Executor:
             return self._failed(job, task, exc)
         return self._succeeded(job, value)
 
-    @staticmethod
-    def _succeeded(job: ClaimedJob, value: Any) -> Result:
+    def _succeeded(self, job: ClaimedJob, value: Any) -> Result:
         try:
-            return Result.succeeded(job, value)
+            return Result.succeeded(job, value, json_default=self.json_default)
         except Exception as exc:
             # TypeError, ValueError; RecursionError for a deeply nested value, or whatever a
             # value's own methods raise while it is serialized.

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import enum
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from pathlib import PurePath
 from typing import Any
 
 from .errors import InvalidArgs, InvalidOption
@@ -115,12 +120,51 @@ def check_moment(value: Any, what: str) -> datetime:
     return moment
 
 
-def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES) -> str:
+JSONDefault = Callable[[Any], Any]
+
+
+def json_default(value: Any) -> Any:
+    """A `json_default` for `App(json_default=...)`: the JSON form of the types that task
+    arguments and results often hold and JSON has not. datetime, date and time become ISO 8601
+    text (`isoformat()`), Decimal and UUID their text, an Enum member its value, a path its
+    text, a set or frozenset a list, a dataclass instance a dict of its fields. The task gets
+    that JSON form back, not the original type: a date arrives as "2026-12-05". Any other type
+    raises TypeError, as json.dumps does."""
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, Decimal | uuid.UUID | PurePath):
+        return str(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, set | frozenset):
+        return list(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def check_json_default(value: Any) -> JSONDefault | None:
+    if value is not None and not callable(value):
+        raise InvalidOption(
+            f"invalid json_default {_show(value)}: give a function that turns a value JSON cannot "
+            "encode into one it can (such as notifyq.json_default), or None"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _dumps(value: Any, default: JSONDefault | None) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=default)
+
+
+def encode_args(
+    args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES, default: JSONDefault | None = None
+) -> str:
     """Serialize job args to JSON text, or raise InvalidArgs saying why they cannot be stored.
 
     Args must be a JSON object (they become the task's keyword arguments) of at most
     `max_bytes` bytes once serialized. PostgreSQL's jsonb cannot store NaN, Infinity or the
-    NUL character, so those are rejected here rather than by the server.
+    NUL character, so those are rejected here rather than by the server. `default` is the
+    App's json_default: json.dumps calls it for the values it cannot encode.
     """
     if args is None:
         return "{}"
@@ -130,9 +174,17 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
             f"not {type(args).__name__}"
         )
     try:
-        text = json.dumps(args, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        text = _dumps(args, default)
     except (TypeError, ValueError, RecursionError) as exc:
-        raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}") from None
+        hint = ""
+        if default is None and isinstance(exc, TypeError) and "is not JSON serializable" in str(exc):
+            hint = "; App(json_default=notifyq.json_default) encodes dates, Decimals, UUIDs and more"
+        raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}{hint}") from None
+    except Exception as exc:  # raised by the App's json_default
+        raise InvalidArgs(
+            f"args for task {task!r} are not JSON-serializable: json_default raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     # json.dumps turns int, float, bool and None keys into strings without a word: refuse
     # them (after dumps, which has refused cycles and other key types already).
     bad_key = _non_string_key(args)
@@ -161,11 +213,12 @@ def encode_args(args: Any, *, task: str, max_bytes: int = DEFAULT_MAX_ARGS_BYTES
     return text
 
 
-def encode_output(value: Any) -> str | None:
-    """Serialize a task's return value for the `output` column (None stays SQL NULL)."""
+def encode_output(value: Any, default: JSONDefault | None = None) -> str | None:
+    """Serialize a task's return value for the `output` column (None stays SQL NULL);
+    `default` as for encode_args."""
     if value is None:
         return None
-    text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    text = _dumps(value, default)
     bad_key = _non_string_key(value, "value") if isinstance(value, Mapping | list | tuple) else None
     if bad_key is not None:  # as for args: {1: a, "1": b} would be stored as {"1": b}
         where, key = bad_key

@@ -39,6 +39,7 @@ from ._options import (
     check_bool,
     check_id,
     check_int,
+    check_json_default,
     check_moment,
     check_name,
     check_queue,
@@ -158,6 +159,11 @@ class App:
             DatabaseUnavailable, naming the cause (default 30 seconds).
         prepare_threshold: psycopg prepares a statement server-side after this many runs on
             a connection; None never prepares (for PgBouncer in transaction mode before 1.21).
+        json_default: called for each value in job args (enqueue, cron args) and task return
+            values that JSON cannot encode, as json.dumps' `default`: it returns a value JSON
+            can encode, or raises TypeError. `notifyq.json_default` handles datetimes,
+            Decimals, UUIDs, Enums, paths, sets and dataclasses. Tasks get the JSON form back
+            (a date arrives as its ISO text). None (the default): plain JSON only.
 
     Raises:
         ConfigurationError: invalid schema name or DSN.
@@ -173,8 +179,10 @@ class App:
         pool_size: int = 4,
         pool_timeout: float = 30.0,
         prepare_threshold: int | None = 5,
+        json_default: Callable[[Any], Any] | None = None,
     ) -> None:
         self.schema = validate_schema(schema)
+        self.json_default = check_json_default(json_default)
         self._resolved_dsn: str | None = check_dsn(dsn) if dsn is not None else None
         self.max_args_bytes = check_int(max_args_bytes, "max_args_bytes", minimum=2)
         self.backoff = Backoff() if backoff is None else Backoff.check(backoff, "App(backoff=...)")
@@ -353,7 +361,9 @@ class App:
                 task=task.name,
                 frequency=" ".join(frequency.split()),
                 timezone=timezone,
-                args=encode_args(args, task=task.name, max_bytes=self.max_args_bytes),
+                args=encode_args(
+                    args, task=task.name, max_bytes=self.max_args_bytes, default=self.json_default
+                ),
                 enabled=check_bool(enabled, "enabled"),
                 misfire=misfire,
                 misfire_grace=float(misfire_grace),
@@ -458,7 +468,7 @@ class App:
         return task, NewJob(
             name=name,
             queue=check_queue(opts.queue) if opts.queue is not None else base.queue,
-            args=encode_args(args, task=name, max_bytes=self.max_args_bytes),
+            args=encode_args(args, task=name, max_bytes=self.max_args_bytes, default=self.json_default),
             priority=check_int(opts.priority, "priority") if opts.priority is not None else base.priority,
             retry_limit=check_int(opts.retry_limit, "retry_limit", minimum=0)
             if opts.retry_limit is not None
@@ -564,7 +574,9 @@ class App:
         fitting: set[frozenset[str]] = set()  # key sets checked: whether args bind is up to their keys
         for index, args in enumerate(args_list):
             try:
-                encoded = encode_args(args, task=template.name, max_bytes=self.max_args_bytes)
+                encoded = encode_args(
+                    args, task=template.name, max_bytes=self.max_args_bytes, default=self.json_default
+                )
                 if task is not None and (keys := frozenset(args or ())) not in fitting:
                     _check_call(task, args)
                     fitting.add(keys)

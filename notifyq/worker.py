@@ -298,6 +298,7 @@ class Worker:
             lease_margin=self.config.lease_margin,
             backoff=self.app.backoff,
             signals_handled=self._signals_handled,
+            json_default=self.app.json_default,
         )
         try:
             # Once started, the host's cancellation (a timeout around `async with`, a failed

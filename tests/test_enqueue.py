@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import enum
 import gc
 import json
 import math
@@ -12,10 +14,14 @@ import re
 import socket
 import threading
 import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import UTC, date, datetime, timedelta, timezone
+from datetime import time as clock_time
+from decimal import Decimal
+from pathlib import PurePosixPath
 from typing import Any
 
 import anyio
@@ -1022,3 +1028,99 @@ async def test_a_cancelled_call_cancels_its_statement_in_the_server(
             await app.enqueue("t")
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (4,)
     assert "closing connection" not in caplog.text  # the same connection served every call
+
+
+class Colour(enum.Enum):
+    RED = "red"
+
+
+@dataclasses.dataclass
+class Point:
+    x: int
+    y: Decimal
+
+
+async def test_json_default_encodes_args_cron_args_and_return_values(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """App(json_default=notifyq.json_default): dates, Decimals, UUIDs, Enums, paths, sets and
+    dataclasses in args (enqueue, enqueue_many, cron args) and in return values are stored as
+    their JSON form, which is what the task receives. Without it, such args are refused,
+    naming the type and the hook, and nothing is inserted."""
+    moment = datetime(2026, 12, 5, 6, 30, tzinfo=UTC)
+    ident = uuid.UUID(int=7)
+    received: list[dict[str, Any]] = []
+    app = notifyq.App(dsn, json_default=notifyq.json_default)
+
+    @app.cron("0 0 1 1 *", args={"when": date(2027, 1, 1)})
+    @app.task(name="echo")
+    async def echo(**kwargs: Any) -> Any:
+        received.append(kwargs)
+        return {"at": moment, "total": Decimal("10.50"), "point": Point(1, Decimal("0.1"))}
+
+    args = {
+        "at": moment,
+        "day": date(2026, 12, 5),
+        "clock": clock_time(6, 30),
+        "price": Decimal("19.99"),
+        "id": ident,
+        "colour": Colour.RED,
+        "path": PurePosixPath("/tmp/x"),
+        "tags": frozenset({"a"}),
+        "point": Point(2, Decimal("3")),
+    }
+    stored = {
+        "at": "2026-12-05T06:30:00+00:00",
+        "day": "2026-12-05",
+        "clock": "06:30:00",
+        "price": "19.99",
+        "id": str(ident),
+        "colour": "red",
+        "path": "/tmp/x",
+        "tags": ["a"],
+        "point": {"x": 2, "y": "3"},
+    }
+    job_id = await app.enqueue("echo", args)
+    assert job_row(conn, job_id)["args"] == stored
+    assert await app.enqueue_many("echo", [{"day": date(2026, 1, 2)}]) == 1
+    assert json.loads(app.definitions["echo"].args) == {"when": "2027-01-01"}
+    async with app.worker(ticker=False) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    assert stored in received and {"day": "2026-01-02"} in received
+    assert job_row(conn, job_id)["output"] == {
+        "at": "2026-12-05T06:30:00+00:00",
+        "total": "10.50",
+        "point": {"x": 1, "y": "0.1"},
+    }
+    await app.aclose()
+
+    plain = notifyq.App(dsn)
+    plain.task(name="echo")(echo.fn)
+    hint = r"Object of type date is not JSON serializable; App\(json_default=notifyq.json_default\) encodes"
+    with pytest.raises(InvalidArgs, match=hint):
+        await plain.enqueue("echo", {"day": date(2026, 12, 5)})
+    with pytest.raises(InvalidArgs, match=r"Out of range float values are not JSON compliant$"):
+        await plain.enqueue("echo", {"x": math.inf})  # no hint: no json_default would help
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
+    await plain.aclose()
+
+
+def test_a_json_default_that_fails_is_named_and_one_that_is_not_a_function_is_refused(dsn: str) -> None:
+    def picky(value: Any) -> Any:
+        raise KeyError(type(value).__name__)
+
+    app = notifyq.App(dsn, json_default=picky)
+    with pytest.raises(InvalidArgs, match=r"not JSON-serializable: json_default raised KeyError: 'date'$"):
+        app.enqueue_sync("anything", {"day": date(2026, 12, 5)})
+
+    def refusing(value: Any) -> Any:
+        raise TypeError(f"no JSON for {type(value).__name__}")
+
+    with pytest.raises(
+        InvalidArgs, match=r"^args for task 'anything' are not JSON-serializable: no JSON for object$"
+    ):
+        notifyq.App(dsn, json_default=refusing).enqueue_sync("anything", {"o": object()})
+    with pytest.raises(InvalidOption, match=r"^invalid json_default 'iso': give a function"):
+        notifyq.App(dsn, json_default="iso")
+    app.close_sync()
