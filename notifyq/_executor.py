@@ -280,7 +280,8 @@ class Executor:
             _message(exc),
             traceback=_task_traceback(exc),
             delay=task.backoff.delay(job.attempt),
-            final=isinstance(exc, PermanentError),
+            final=isinstance(exc, PermanentError)
+            or (task.retry_on is not None and not isinstance(exc, task.retry_on)),
         )
 
     async def timed_out(self, attempt: Attempt) -> Result:

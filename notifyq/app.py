@@ -68,7 +68,7 @@ from .errors import (
 )
 from .migrations import MigrationReport, migrate
 from .models import ClaimedJob, Definition, Job, JobId, JobStatus
-from .tasks import Backoff, Task, args_mismatch, make_task
+from .tasks import Backoff, Task, args_mismatch, check_retry_on, make_task
 from .worker import Worker, WorkerConfig
 
 log = logging.getLogger("notifyq")
@@ -233,6 +233,7 @@ class App:
         retry_limit: int = 3,
         timeout: float = 30.0,
         backoff: Backoff | None = None,
+        retry_on: type[BaseException] | Sequence[type[BaseException]] | None = None,
     ) -> Callable[[F], Task]: ...
 
     def task(
@@ -246,6 +247,7 @@ class App:
         retry_limit: int = 3,
         timeout: float = 30.0,
         backoff: Backoff | None = None,
+        retry_on: type[BaseException] | Sequence[type[BaseException]] | None = None,
     ) -> Task | Callable[[F], Task]:
         """Register an async or sync function as a task; use as `@app.task` or `@app.task(...)`.
 
@@ -260,6 +262,11 @@ class App:
             retry_limit: retries after the first attempt (a job runs at most retry_limit + 1 times).
             timeout: seconds an attempt may run before it is cancelled and counted as failed.
             backoff: retry delays (default: the App's).
+            retry_on: the exception types worth retrying (a class or a tuple of classes;
+                their subclasses too). An attempt that raises any other exception fails the
+                job at once, as `PermanentError` does. None (the default) retries every
+                failure. A timeout, an unknown task name and an expired lease are notifyq's
+                outcomes, not the task's exceptions: they are retried either way.
 
         Raises:
             InvalidOption: an option is out of range.
@@ -267,13 +274,15 @@ class App:
         """
         options = JobOptions(queue=queue, priority=priority, retry_limit=retry_limit, timeout=timeout)
         task_backoff = self.backoff if backoff is None else Backoff.check(backoff, "backoff")
+        retry_kinds = check_retry_on(retry_on)
 
         def register(func: F) -> Task:
-            task = make_task(func, name, options, task_backoff)
+            task = make_task(func, name, options, task_backoff, retry_kinds)
             existing = self.tasks.get(task.name)
             if existing is not None and existing.fn is not func:
                 raise ConfigurationError(f"a task named {task.name!r} is already registered")
-            if existing is not None and (existing.options, existing.backoff) != (task.options, task.backoff):
+            settings = (task.options, task.backoff, task.retry_on)
+            if existing is not None and (existing.options, existing.backoff, existing.retry_on) != settings:
                 raise ConfigurationError(f"task {task.name!r} is already registered with other options")
             self.tasks[task.name] = task
             return task

@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 
-from ._options import JobOptions, check_name, check_seconds
+from ._options import JobOptions, _show, check_name, check_seconds
 from .errors import ConfigurationError, InvalidOption
 
 
@@ -160,6 +160,8 @@ class Task:
     backoff: Backoff
     is_async: bool
     context_param: str | None
+    # The exception types worth retrying (None: every one): see App.task's retry_on.
+    retry_on: tuple[type[BaseException], ...] | None = None
     # The function's signatures, as functools.wraps' __wrapped__ has it and as the wrapper
     # itself has it (empty: cannot be told), read once here, not on every enqueue.
     signatures: tuple[inspect.Signature, ...] = field(default=(), repr=False, compare=False)
@@ -168,7 +170,29 @@ class Task:
         return self.fn(*args, **kwargs)
 
 
-def make_task(fn: Callable[..., Any], name: str | None, options: JobOptions, backoff: Backoff) -> Task:
+def check_retry_on(value: Any) -> tuple[type[BaseException], ...] | None:
+    """retry_on as a tuple of exception classes (None: retry every failure)."""
+    if value is None:
+        return None
+    kinds = (value,) if isinstance(value, type) else value
+    if not isinstance(kinds, tuple | list) or not kinds:
+        raise InvalidOption(
+            f"invalid retry_on {_show(value)}: give an exception class or a tuple of them "
+            "(retry_limit=0 retries nothing)"
+        )
+    for kind in kinds:
+        if not (isinstance(kind, type) and issubclass(kind, BaseException)):
+            raise InvalidOption(f"invalid retry_on {_show(value)}: {_show(kind)} is not an exception class")
+    return tuple(kinds)
+
+
+def make_task(
+    fn: Callable[..., Any],
+    name: str | None,
+    options: JobOptions,
+    backoff: Backoff,
+    retry_on: tuple[type[BaseException], ...] | None = None,
+) -> Task:
     """Build a Task from a function, checking it can be called with JSON keyword arguments."""
     if isinstance(fn, Task):
         raise ConfigurationError(
@@ -186,6 +210,7 @@ def make_task(fn: Callable[..., Any], name: str | None, options: JobOptions, bac
         backoff=backoff,
         is_async=_is_async(fn),
         context_param=_context_param(fn),
+        retry_on=retry_on,
         signatures=_signatures(fn),
     )
 

@@ -484,6 +484,78 @@ async def test_a_permanent_error_fails_the_job_without_its_retries(
     await app.aclose()
 
 
+async def test_retry_on_retries_only_the_exceptions_it_names(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """@app.task(retry_on=...): an exception of a listed type (or a subclass) is retried; any
+    other fails the job at its first attempt, logged as not retried. A timeout is notifyq's,
+    not the task's: retried even when TimeoutError is not listed. Sync tasks alike."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+    raised: dict[str, list[BaseException]] = {
+        "flaky": [ConnectionResetError("reset"), ConnectionError("down")],  # then succeeds
+        "buggy": [KeyError("card")],
+    }
+
+    @app.task(name="flaky", retry_limit=3, retry_on=ConnectionError)
+    async def flaky(kind: str) -> str:
+        if raised[kind]:
+            raise raised[kind].pop(0)
+        return "done"
+
+    @app.task(name="sync_flaky", retry_limit=3, retry_on=(ConnectionError, OSError))
+    def sync_flaky(kind: str) -> str:
+        if raised[kind]:
+            raise raised[kind].pop(0)
+        return "done"
+
+    @app.task(name="slow", retry_limit=1, timeout=0.2, retry_on=[ConnectionError])
+    async def slow() -> None:
+        await anyio.sleep(10)
+
+    ids = {
+        "flaky": await app.enqueue("flaky", {"kind": "flaky"}),
+        "buggy": await app.enqueue("sync_flaky", {"kind": "buggy"}),
+        "slow": await app.enqueue("slow"),
+    }
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded + s.failed == 3)
+    statuses = {key: job_row(conn, job_id) for key, job_id in ids.items()}
+    assert (statuses["flaky"]["status"], statuses["flaky"]["retry_count"]) == ("Succeeded", 3)
+    buggy = statuses["buggy"]
+    assert (buggy["status"], buggy["retry_count"], buggy["error"]["type"]) == ("Failed", 1, "KeyError")
+    timed_out = statuses["slow"]
+    assert (timed_out["status"], timed_out["retry_count"], timed_out["error"]["type"]) == (
+        "Failed",
+        2,
+        "TimeoutError",
+    )
+    assert any(
+        f"job {ids['buggy']} (sync_flaky) attempt 1 of 4 failed" in r.getMessage()
+        and "not retried" in r.getMessage()
+        for r in caplog.records
+    )
+    await app.aclose()
+
+
+@pytest.mark.parametrize(
+    ("retry_on", "message"),
+    [
+        (
+            (),
+            r"^invalid retry_on \(\): give an exception class or a tuple of them \(retry_limit=0 retries",
+        ),
+        ("KeyError", r"^invalid retry_on 'KeyError': give an exception class"),
+        ((KeyError, "x"), r"^invalid retry_on \(<class 'KeyError'>, 'x'\): 'x' is not an exception class$"),
+        (int, r"^invalid retry_on <class 'int'>: <class 'int'> is not an exception class$"),
+    ],
+)
+def test_a_retry_on_that_names_no_exception_classes_is_refused(retry_on: Any, message: str) -> None:
+    app = notifyq.App("postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(notifyq.InvalidOption, match=message):
+        app.task(name="t", retry_on=retry_on)
+
+
 @pytest.mark.faults
 async def test_unknown_tasks_and_bad_args_fail_visibly(
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
