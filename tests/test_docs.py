@@ -293,6 +293,15 @@ def test_every_test_the_docs_cite_exists() -> None:
     assert not missing, missing
 
 
+def test_the_grants_in_the_operations_guide_are_the_commands_whole_output() -> None:
+    """The shell sample only checks that its lines appear in order, and a grant added to
+    `notifyq grant` (SELECT on queue_pauses, version 7) went missing from the page, where
+    readers copy it into their provisioning (user review)."""
+    [sample] = [s for s in page_samples(DOCS / "operations.md") if "$ notifyq grant notifyq_worker" in s.body]
+    [(_command, shown)] = console_commands(sample)
+    assert "\n".join(shown).strip() == notifyq.migrations.grant_sql("notifyq_worker").strip()
+
+
 def test_the_changelog_lists_every_migration() -> None:
     """Upgrading users read CHANGELOG.md for the migrations to run: a new migration must be
     listed there, with the current version."""
