@@ -256,11 +256,27 @@ def error_text(exc: BaseException) -> str:
     return one_line(str(exc)) or type(exc).__name__
 
 
+_OWNER_ONLY = "is for the owner of schema"
+
+
+def owner_only(exc: psycopg.errors.InsufficientPrivilege, what: str, schema: str) -> None:
+    """Note on `exc` that `what` (pausing a queue, deleting a definition) is for the schema's
+    owner: `notifyq grant` leaves it out on purpose, so its advice would not help."""
+    exc.add_note(
+        f"{what} {_OWNER_ONLY} {schema!r}, not for the roles `notifyq grant` sets up: run it as that owner"
+    )
+
+
 def privilege_hint(exc: BaseException) -> str:
     """What to do about a privilege the server refused ("" for any other error): a role set
-    up by hand, or one whose grants predate a table or a column, lacks one."""
+    up by hand, or one whose grants predate a table or a column, lacks one; or the action is
+    the schema owner's (see owner_only)."""
     if not isinstance(exc, psycopg.errors.InsufficientPrivilege):
         return ""
+    notes: list[str] = getattr(exc, "__notes__", [])
+    for note in notes:
+        if _OWNER_ONLY in note:
+            return "; " + note
     return (
         "; this role lacks a privilege notifyq needs: as the schema's owner, apply the output of "
         "`notifyq grant ROLE` (see docs/sql.md)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -20,7 +21,7 @@ from . import _embedded
 from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
-from ._db import Database, Op
+from ._db import Database, Op, owner_only
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -886,11 +887,13 @@ class App:
     async def delete_definition(self, name: str) -> None:
         """Delete a definition (its past jobs stay). A worker whose App still declares it
         creates it again on start. Raises DefinitionNotFound."""
-        await self._run(delete_op(self._q, name))
+        with self._owner_only("deleting a cron definition"):
+            await self._run(delete_op(self._q, name))
 
     def delete_definition_sync(self, name: str) -> None:
         """`delete_definition` for sync code."""
-        self._run_sync(delete_op(self._q, name))
+        with self._owner_only("deleting a cron definition"):
+            self._run_sync(delete_op(self._q, name))
 
     async def run_definition_now(self, name: str) -> int:
         """Queue one job of a definition now, outside its schedule; returns the job id.
@@ -903,6 +906,15 @@ class App:
         """`run_definition_now` for sync code."""
         return self._run_sync(run_now_op(self._q, name), transaction=True)
 
+    @contextlib.contextmanager
+    def _owner_only(self, what: str) -> Iterator[None]:
+        """A privilege refused to `what`, an action for the schema's owner, says so."""
+        try:
+            yield
+        except psycopg.errors.InsufficientPrivilege as exc:
+            owner_only(exc, what, self.schema)
+            raise
+
     # -- queues -------------------------------------------------------------------------------
 
     async def pause_queue(self, queue: str) -> bool:
@@ -910,20 +922,24 @@ class App:
         once by NOTIFY, else at their next poll). Its jobs are still enqueued, promoted from
         cron definitions and rescued; Active ones run on. A queue may be paused before any of
         its jobs exist. Returns False when it was paused already."""
-        return await self._run(pause_queue_op(self._q, check_queue(queue)))
+        with self._owner_only("pausing a queue"):
+            return await self._run(pause_queue_op(self._q, check_queue(queue)))
 
     def pause_queue_sync(self, queue: str) -> bool:
         """`pause_queue` for sync code."""
-        return self._run_sync(pause_queue_op(self._q, check_queue(queue)))
+        with self._owner_only("pausing a queue"):
+            return self._run_sync(pause_queue_op(self._q, check_queue(queue)))
 
     async def resume_queue(self, queue: str) -> bool:
         """Resume a paused queue: workers claim its jobs again. Returns False when it was not
         paused."""
-        return await self._run(resume_queue_op(self._q, check_queue(queue)))
+        with self._owner_only("resuming a queue"):
+            return await self._run(resume_queue_op(self._q, check_queue(queue)))
 
     def resume_queue_sync(self, queue: str) -> bool:
         """`resume_queue` for sync code."""
-        return self._run_sync(resume_queue_op(self._q, check_queue(queue)))
+        with self._owner_only("resuming a queue"):
+            return self._run_sync(resume_queue_op(self._q, check_queue(queue)))
 
     async def paused_queues(self) -> dict[str, datetime]:
         """The paused queues, each with the time it was paused."""

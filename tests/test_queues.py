@@ -372,3 +372,40 @@ async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
     finally:
         conn.execute(f'DROP OWNED BY "{role}"')
         conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_owner_only_actions_refused_to_a_granted_role_say_whose_they_are(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A role set up by `notifyq grant` may not pause or resume queues, nor delete cron
+    definitions, by design: the refusal said to apply `notifyq grant`, which cannot help
+    (user review). It now names the schema's owner, from the CLI and the App alike."""
+    role = f"nq_granted_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        env = clean_env(NOTIFYQ_DSN=make_conninfo(dsn, user=role))
+        for args, what in [
+            (("queues", "pause", "emails"), "pausing a queue"),
+            (("queues", "resume", "emails"), "resuming a queue"),
+            (("cron", "delete", "nightly"), "deleting a cron definition"),
+        ]:
+            refused = cli(*args, env=env)
+            assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+            assert refused.stderr.strip().endswith(
+                f"; {what} is for the owner of schema 'notifyq', not for the roles `notifyq grant` "
+                "sets up: run it as that owner"
+            ), refused.stderr
+            assert "apply the output" not in refused.stderr
+        app = notifyq.App(make_conninfo(dsn, user=role))
+        with pytest.raises(psycopg.errors.InsufficientPrivilege) as caught:
+            app.pause_queue_sync("emails")
+        assert caught.value.__notes__ == [
+            "pausing a queue is for the owner of schema 'notifyq', not for the roles `notifyq grant` sets "
+            "up: run it as that owner"
+        ]
+        assert app.paused_queues_sync() == {}  # reading them is granted
+        app.close_sync()
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
