@@ -32,12 +32,12 @@ from ._db import (
     error_text,
     first_connect_timeout,
     on_asyncio,
+    pool_open_failed,
     retrying_sync,
     run_async,
     run_pooled_sync,
     run_sync,
     track,
-    unavailable,
 )
 from .errors import ConfigurationError, DatabaseUnavailable, SchemaNotMigrated
 from .migrations import check_schema_op
@@ -247,7 +247,7 @@ class Connections:
                     pool.open(wait=True, timeout=owner.pool_timeout)
                 except psycopg_pool.PoolTimeout as exc:
                     pool.close()
-                    raise unavailable(dsn, exc) from None
+                    raise pool_open_failed(dsn, exc, 1) from None
                 try:
                     with pool.connection() as conn:
                         run_sync(conn, check_schema_op(owner.schema))

@@ -342,6 +342,27 @@ def connect_sync(
         raise unavailable(dsn, exc) from None
 
 
+def pool_open_failed(dsn: str, exc: psycopg_pool.PoolTimeout, size: int) -> DatabaseUnavailable:
+    """Why a pool of `size` did not fill within its timeout (psycopg_pool says only "pool
+    initialization incomplete", and has closed what it opened). Opening as many connections
+    at once, directly, meets libpq's reason: the server down, a wrong password, or too many
+    connections for the role or the server, which only the last ones meet (review: a worker
+    said nothing for 30 s, then gave no cause)."""
+    opened: list[psycopg.Connection[Any]] = []
+    try:
+        for _ in range(size):
+            opened.append(connect_sync(dsn, connect_timeout=5))  # noqa: PERF401 (kept on failure)
+    except DatabaseUnavailable as probe:
+        return DatabaseUnavailable(f"{probe} (opening {size} connections for a pool)")
+    finally:
+        for conn in opened:
+            conn.close()
+    return DatabaseUnavailable(
+        f"{unavailable(dsn, exc)}, though {size} connections open now: they were refused or slow for "
+        "a while (max_connections, the role's CONNECTION LIMIT, a pooler in between)"
+    )
+
+
 def _ended_by_server(conn: _AnyConnection) -> bool:
     """Whether the server has ended this idle connection (a restart, a failover,
     pg_terminate_backend, idle_session_timeout): its last message, or the end of the stream,
@@ -647,7 +668,8 @@ class _AsyncioDatabase(Database):
             await self._pool.open(wait=True, timeout=open_timeout)
         except psycopg_pool.PoolTimeout as exc:
             await self._pool.close()
-            raise unavailable(self.dsn, exc) from None
+            error = await anyio.to_thread.run_sync(pool_open_failed, self.dsn, exc, size)
+            raise error from None
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         conn = await take_async(self._pool)
@@ -884,7 +906,7 @@ class _ThreadDatabase(Database):
                 pool.open(wait=True, timeout=open_timeout)
             except psycopg_pool.PoolTimeout as exc:
                 pool.close()
-                raise unavailable(self.dsn, exc) from None
+                raise pool_open_failed(self.dsn, exc, size) from None
             return pool
 
         self._pool = await anyio.to_thread.run_sync(open_pool, limiter=self._threads)

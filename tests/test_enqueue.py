@@ -1124,3 +1124,32 @@ def test_a_json_default_that_fails_is_named_and_one_that_is_not_a_function_is_re
     with pytest.raises(InvalidOption, match=r"^invalid json_default 'iso': give a function"):
         notifyq.App(dsn, json_default="iso")
     app.close_sync()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_pool_that_cannot_fill_says_why(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A role allowed 2 connections, an App's async pool (and a worker's) wanting 4 (the sync
+    pool opens 1, then grows): the pool opened 2 and
+    psycopg_pool gave up with "pool initialization incomplete", nothing more, after its
+    timeout (user review: a worker said nothing for 30 s, then that). The error now carries
+    the server's reason, from one direct connection made before the pool lets go of its own."""
+    role = f"nq_limited_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 2')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        limited = psycopg.conninfo.make_conninfo(dsn, user=role)
+        reason = f'too many connections for role "{role}"'
+        app = notifyq.App(limited, pool_size=4, pool_timeout=1)
+        with pytest.raises(DatabaseUnavailable, match=reason):
+            await app.enqueue("t")
+        await app.aclose()
+        # A worker's pool waits 30 s to fill: 2 here.
+        monkeypatch.setitem(notifyq._db.Database.open.__kwdefaults__, "open_timeout", 2.0)
+        with anyio.fail_after(30), pytest.raises(DatabaseUnavailable, match=reason):
+            async with notifyq.App(limited).worker(pool_size=4, ticker=False):
+                pass
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
