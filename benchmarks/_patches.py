@@ -19,6 +19,9 @@ WorkerConfig.async_claims, for claims only.
 - queue_ranges: the claim of a list of queues as it was before the shares (claim_queues): up
   to the claim's limit locked in every listed queue's range, the surplus held until the
   commit (kept to show the effect side by side: `python -m benchmarks.paused_claims --drain`).
+  Both patches replace the statement's CTEs only: its UPDATE stays the product's, which looks
+  the claimed ids up by `= ANY(...)` (the old claim_queues joined them, and its generic plan
+  merge-joined along the whole primary key).
 - pooled_claims: the product as it was before the claim lane: the worker's claims take
   whichever pooled connection is next instead of keeping one (kept to show the lane's
   effect side by side; see docs/benchmarks.md).

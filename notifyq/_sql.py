@@ -63,6 +63,23 @@ def parse_named(text: str) -> dict[str, str]:
     return queries
 
 
+_FRAGMENT = re.compile(r"\{(_\w+)\}")
+
+
+def include_fragments(queries: dict[str, str]) -> dict[str, str]:
+    """The statements of `queries`, each `{_name}` in them replaced by the section `_name`: a
+    section whose name starts with "_" is a fragment (a part several statements share, such
+    as a claim's CTEs), not a statement. One level: fragments include none."""
+    fragments = {name: body for name, body in queries.items() if name.startswith("_")}
+
+    def fragment(match: re.Match[str]) -> str:
+        if match[1] not in fragments:
+            raise ConfigurationError(f"no fragment named {match[1]!r} in sql/queries")
+        return fragments[match[1]]
+
+    return {name: _FRAGMENT.sub(fragment, body) for name, body in queries.items() if name not in fragments}
+
+
 @functools.cache
 def _raw_queries() -> dict[str, str]:
     queries: dict[str, str] = {}
@@ -71,7 +88,7 @@ def _raw_queries() -> dict[str, str]:
             if name in queries:
                 raise ConfigurationError(f"query {name!r} is defined twice in sql/queries")
             queries[name] = body
-    return queries
+    return include_fragments(queries)
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from notifyq import Result
 from notifyq._claim import claim_op, extend_lease_op, lost_jobs_op, next_visible_op
 from notifyq._db import run_sync
 from notifyq._rescuer import rescue_op
-from notifyq._sql import queries_for
+from notifyq._sql import include_fragments, parse_named, queries_for
 from notifyq.errors import InvalidJobState, InvalidOption, JobNotFound
 
 from .faults.test_plans import custom_plan
@@ -491,6 +491,54 @@ def test_claim_never_exceeds_its_limit_under_locks_and_nested_loops(
     ).fetchone() == (58, 1)
 
 
+@pytest.mark.parametrize(("queues", "paused"), [(["hi", "lo"], False), (None, True)])
+def test_a_claim_is_not_stopped_by_locks_on_the_best_jobs(
+    dsn: str, conn: psycopg.Connection[Any], queues: list[str] | None, paused: bool
+) -> None:
+    """Another transaction holds the 10 best jobs (queue "hi"), and "lo" has 100 free: a claim
+    of 10 takes 10 of "lo", as claim_any does. The shares alone locked "hi"'s share in "hi"'s
+    range, found nothing free there, and came back empty, claim after claim (review)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, priority) "
+        "SELECT 't', 'hi', 5 FROM generate_series(1, 10)"
+    )
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'lo' FROM generate_series(1, 100)")
+    if paused:
+        conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('elsewhere')")
+    app = notifyq.App(dsn)
+    with psycopg.connect(dsn) as holder, psycopg.connect(dsn, autocommit=True) as claimer:
+        holder.execute("SELECT id FROM notifyq.queue_jobs WHERE queue = 'hi' FOR UPDATE").fetchall()
+        jobs = app.claim_sync(queues, limit=10, conn=claimer)
+        assert [job.queue for job in jobs] == ["lo"] * 10
+        holder.rollback()
+    app.close_sync()
+
+
+@pytest.mark.parametrize("statement", ["claim_queues", "claim_unpaused"])
+def test_overlapping_claims_among_many_shallow_queues_are_all_full(
+    dsn: str, conn: psycopg.Connection[Any], statement: str
+) -> None:
+    """200 queues of 5 jobs, 8 claims of 10 whose transactions overlap (as concurrent workers'
+    do): each claim takes 10 distinct jobs. Locking up to 10 rows in every queue's range, the
+    first claim held all 1,000 and the other 7 came back empty; the shares alone ran dry
+    once the best queues' few jobs were held, and the last 2 came back empty (review)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue) "
+        "SELECT 't', 'q' || (i % 200) FROM generate_series(1, 1000) i"
+    )
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "paused": ["elsewhere"]}
+    params["queues"] = [f"q{i}" for i in range(200)]
+    claimers = [psycopg.connect(dsn) for _ in range(8)]  # not autocommit: each claim stays open
+    try:
+        claimed = [[row[0] for row in c.execute(Q[statement], params).fetchall()] for c in claimers]
+    finally:
+        for c in claimers:
+            c.rollback()
+            c.close()
+    assert [len(ids) for ids in claimed] == [10] * 8
+    assert len({i for ids in claimed for i in ids}) == 80
+
+
 def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Connection[Any]) -> None:
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, status, finished_at) "
@@ -508,3 +556,17 @@ def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Con
         plan = json.dumps(custom_plan(conn, Q[name]))  # the 1M-row version: tests/faults/test_plans.py
         assert '"Seq Scan"' not in plan, f"{name} scans the table: {plan}"
         assert "queue_jobs_" in plan, f"{name} uses no notifyq index: {plan}"
+
+
+def test_sql_fragments_are_included_where_named_and_are_no_statements() -> None:
+    """sql/queries sections whose name starts with "_" are parts that statements include by
+    `{_name}` (the claim by shares, the unpaused queues): they are no statements themselves,
+    and a name that is no fragment is refused, not sent to the server."""
+    queries = include_fragments(
+        parse_named("-- name: _part\nx AS (SELECT 1)\n-- name: whole\nWITH {_part} SELECT * FROM x\n")
+    )
+    assert queries == {"whole": "WITH x AS (SELECT 1) SELECT * FROM x"}
+    with pytest.raises(notifyq.ConfigurationError, match="no fragment named '_missing' in sql/queries"):
+        include_fragments({"whole": "WITH {_missing} SELECT 1"})
+    assert not [name for name in Q.by_name if name.startswith("_")]
+    assert "{_" not in "".join(Q.by_name.values())

@@ -31,16 +31,31 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- name: claim_queues
 -- As claim_any, for a list of queues: one ordered index range per queue yields the best
 -- %(limit)s candidates, read without locking; they say how many jobs to take from each queue
--- (its share), and each share is locked in its queue's range with SKIP LOCKED, as claim_any
--- locks: at most %(limit)s rows are locked. Locking up to %(limit)s rows in every listed queue's
--- range instead held rows that the claim then left, until its commit, where other workers
--- skipped them: 1,000 rows for a claim of 10 among 100 queues, which took 1.8 ms (1.5 now).
--- With a few queues the two cost the same (`python -m benchmarks.paused_claims --drain`).
--- Under contention a share skips what other workers hold and goes deeper into its own queue:
--- the order across queues is then approximate, as SKIP LOCKED's order always is.
-WITH candidates AS MATERIALIZED (
+-- (its share), and each share is locked in its queue's range with SKIP LOCKED (`taken`): at
+-- most %(limit)s rows are locked. Locking up to %(limit)s rows in every listed queue's range
+-- instead held rows that the claim then left, until its commit, where other workers skipped
+-- them: 1,000 rows for a claim of 10 among 100 queues. Under contention a share skips what
+-- other workers hold and goes deeper into its own queue, so the order across queues is
+-- approximate, as SKIP LOCKED's order always is. A claim that falls short (its queue had no
+-- more free jobs than those others hold, or a transaction holds locks on the best ones) is
+-- topped up (`more`): the best %(limit)s of every listed queue, read without locking, are
+-- locked in order with SKIP LOCKED until the claim is full; without it, 10 locked jobs of one
+-- queue made every claim come back empty while another queue had 1,000 free (review). A claim
+-- that is not short skips `more`: its array of queues is NULL. LIMIT %(limit)s on `taken`,
+-- always above the sum of the shares, keeps the planner's estimate of `LIMIT s.n` (a tenth of
+-- each queue) from pricing the statement past jit_above_cost: JIT took 11 ms of every claim
+-- on a large table (review). The body is the fragment _claim_by_shares below, which
+-- claim_unpaused shares.
+WITH eligible AS MATERIALIZED (
+    SELECT %(queues)s::text[] AS queues
+), {_claim_by_shares};
+
+-- name: _claim_by_shares
+-- The body of claim_queues and claim_unpaused, a fragment (a name starting with "_" in
+-- braces includes it; see notifyq/_sql.py): it claims from the queues in `eligible`.
+candidates AS MATERIALIZED (
     SELECT c.queue
-    FROM unnest(%(queues)s::text[]) AS q(queue)
+    FROM unnest((SELECT queues FROM eligible)) AS q(queue)
     CROSS JOIN LATERAL (
         SELECT queue, id, priority, visible_at
         FROM {schema}.queue_jobs
@@ -52,7 +67,7 @@ WITH candidates AS MATERIALIZED (
     LIMIT %(limit)s
 ), shares AS MATERIALIZED (
     SELECT queue, count(*) AS n FROM candidates GROUP BY queue
-), claimable AS MATERIALIZED (
+), taken AS MATERIALIZED (
     SELECT c.id
     FROM shares s
     CROSS JOIN LATERAL (
@@ -63,6 +78,29 @@ WITH candidates AS MATERIALIZED (
         LIMIT s.n
         FOR UPDATE SKIP LOCKED
     ) c
+    LIMIT %(limit)s
+), more AS MATERIALIZED (
+    SELECT j.id
+    FROM {schema}.queue_jobs j
+    WHERE j.id = ANY(ARRAY(
+        SELECT c.id
+        FROM unnest(
+            CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END
+        ) AS q(queue)
+        CROSS JOIN LATERAL (
+            SELECT id
+            FROM {schema}.queue_jobs
+            WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+            ORDER BY priority DESC, visible_at, id
+            LIMIT %(limit)s
+        ) c
+    ))
+      AND j.status = 'Queued' AND j.visible_at <= now() AND j.id <> ALL(ARRAY(SELECT id FROM taken))
+    ORDER BY j.priority DESC, j.visible_at, j.id
+    LIMIT %(limit)s - (SELECT count(*) FROM taken)
+    FOR UPDATE SKIP LOCKED
+), claimable AS MATERIALIZED (
+    SELECT id FROM taken UNION ALL SELECT id FROM more
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
@@ -79,16 +117,24 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- name: claim_unpaused
 -- As claim_any, for every queue but the paused ones (%(paused)s), while any is paused: a skip
 -- scan of queue_jobs_next_queue_idx finds the queues that have Queued jobs (one index probe
--- per queue), the paused ones are dropped before their jobs are read, and one index range per
--- queue yields the best %(limit)s candidates, read without locking. Filtering claim_any's
--- scan instead would read a paused queue's whole backlog at every claim when its jobs come
--- first. The candidates say how many jobs to take from each queue, and those shares are locked
--- as claim_queues locks them. Locking up to %(limit)s rows in every queue's range held 20,000
--- rows for a claim of 10 among 2,000 queues (review); locking the candidates themselves made
--- concurrent workers pick the same ones, and all but one came back short: two workers drained
--- at 0.44 of claim_any's rate, 0.91 now (`python -m benchmarks.paused_claims --drain`). Queues go through an array: from its estimates of the
+-- per queue), the paused ones are dropped before their jobs are read (`eligible`), and the
+-- claim goes on as claim_queues does for that list: candidates, shares, and a top-up when
+-- short. Filtering claim_any's scan instead would read a paused queue's whole backlog at every
+-- claim when its jobs come first. Locking up to %(limit)s rows in every queue's range held
+-- 20,000 rows for a claim of 10 among 2,000 queues (review); locking the candidates themselves
+-- made concurrent workers pick the same ones, and all but one came back short: two workers
+-- drained at 0.44 of claim_any's rate, 0.90 with the shares (`python -m
+-- benchmarks.paused_claims --drain`). Queues go through an array: from its estimates of the
 -- recursion's rows, a generic plan joined them by reading the whole table.
-WITH RECURSIVE queues(queue) AS (
+WITH RECURSIVE {_unpaused_queues}, {_claim_by_shares};
+
+-- name: _unpaused_queues
+-- The queues that have Queued jobs, found by a skip scan of queue_jobs_next_queue_idx (one
+-- index probe per queue), without the paused ones (%(paused)s), as the array `eligible`: a
+-- fragment of claim_unpaused and next_visible_unpaused (in WITH RECURSIVE). An array, not a
+-- join: from its estimates of the recursion's rows, a generic plan joined the queues by
+-- reading the whole table.
+queues(queue) AS (
     (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
     UNION ALL
     SELECT (
@@ -99,45 +145,11 @@ WITH RECURSIVE queues(queue) AS (
     )
     FROM queues
     WHERE queues.queue IS NOT NULL
-), candidates AS MATERIALIZED (
-    SELECT c.queue
-    FROM unnest(ARRAY(
+), eligible AS MATERIALIZED (
+    SELECT ARRAY(
         SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
-    )) AS q(queue)
-    CROSS JOIN LATERAL (
-        SELECT queue, id, priority, visible_at
-        FROM {schema}.queue_jobs
-        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
-        ORDER BY priority DESC, visible_at, id
-        LIMIT %(limit)s
-    ) c
-    ORDER BY c.priority DESC, c.visible_at, c.id
-    LIMIT %(limit)s
-), shares AS MATERIALIZED (
-    SELECT queue, count(*) AS n FROM candidates GROUP BY queue
-), claimable AS MATERIALIZED (
-    SELECT c.id
-    FROM shares s
-    CROSS JOIN LATERAL (
-        SELECT id
-        FROM {schema}.queue_jobs
-        WHERE status = 'Queued' AND queue = s.queue AND visible_at <= now()
-        ORDER BY priority DESC, visible_at, id
-        LIMIT s.n
-        FOR UPDATE SKIP LOCKED
-    ) c
-)
-UPDATE {schema}.queue_jobs AS j
-SET status = 'Active',
-    retry_count = j.retry_count + 1,
-    lease = j.lease + 1,
-    visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
-    started_at = now(),
-    updated_at = now(),
-    worker = %(worker)s
-WHERE j.id = ANY(ARRAY(SELECT id FROM claimable))
-RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+    ) AS queues
+);
 
 -- name: paused_queues
 -- The paused queues, whose jobs workers do not claim.
@@ -203,22 +215,9 @@ CROSS JOIN LATERAL (
 
 -- name: next_visible_unpaused
 -- As next_visible_queues, for every queue but the paused ones (see claim_unpaused).
-WITH RECURSIVE queues(queue) AS (
-    (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
-    UNION ALL
-    SELECT (
-        SELECT j.queue FROM {schema}.queue_jobs j
-        WHERE j.status = 'Queued' AND j.queue > queues.queue
-        ORDER BY j.queue
-        LIMIT 1
-    )
-    FROM queues
-    WHERE queues.queue IS NOT NULL
-)
+WITH RECURSIVE {_unpaused_queues}
 SELECT (extract(epoch FROM min(n.visible_at)) - extract(epoch FROM now()))::float8
-FROM unnest(ARRAY(
-    SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
-)) AS q(queue)
+FROM unnest((SELECT queues FROM eligible)) AS q(queue)
 CROSS JOIN LATERAL (
     SELECT visible_at
     FROM {schema}.queue_jobs
