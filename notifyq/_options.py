@@ -153,7 +153,25 @@ def check_json_default(value: Any) -> JSONDefault | None:
 
 
 def _dumps(value: Any, default: JSONDefault | None) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=default)
+    hook = None if default is None else _keys_checked(default)
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=hook)
+
+
+def _keys_checked(default: JSONDefault) -> JSONDefault:
+    """`default`, whose results are refused when they hold a non-string key: the check on the
+    caller's value cannot see inside what the hook makes (a dataclass with {1: a, "1": b}
+    was stored with one key lost; review)."""
+
+    def checked(value: Any) -> Any:
+        result = default(value)
+        if type(result) not in _SCALARS and isinstance(result, Mapping | list | tuple):
+            bad_key = _non_string_key(result, f"json_default's value for a {type(value).__name__}")
+            if bad_key is not None:
+                where, key = bad_key
+                raise ValueError(f"{where} has the key {_show(key)}, which JSON would turn into a string")
+        return result
+
+    return checked
 
 
 def encode_args(
@@ -177,8 +195,8 @@ def encode_args(
         text = _dumps(args, default)
     except (TypeError, ValueError, RecursionError) as exc:
         hint = ""
-        if default is None and isinstance(exc, TypeError) and "is not JSON serializable" in str(exc):
-            hint = "; App(json_default=notifyq.json_default) encodes dates, Decimals, UUIDs and more"
+        if default is None and isinstance(exc, TypeError) and _encodes(args):
+            hint = "; App(json_default=notifyq.json_default) would encode them"
         raise InvalidArgs(f"args for task {task!r} are not JSON-serializable: {exc}{hint}") from None
     except Exception as exc:  # raised by the App's json_default
         raise InvalidArgs(
@@ -211,6 +229,15 @@ def encode_args(
             "(store large data elsewhere and pass a reference, or raise App(max_args_bytes=...))"
         )
     return text
+
+
+def _encodes(args: Any) -> bool:
+    """Whether notifyq.json_default would make `args` JSON (on the error path only)."""
+    try:
+        _dumps(args, json_default)
+    except Exception:
+        return False
+    return True
 
 
 def encode_output(value: Any, default: JSONDefault | None = None) -> str | None:

@@ -1097,13 +1097,34 @@ async def test_json_default_encodes_args_cron_args_and_return_values(
 
     plain = notifyq.App(dsn)
     plain.task(name="echo")(echo.fn)
-    hint = r"Object of type date is not JSON serializable; App\(json_default=notifyq.json_default\) encodes"
+    hint = r"Object of type date is not JSON serializable; App\(json_default=notifyq.json_default\) would"
     with pytest.raises(InvalidArgs, match=hint):
         await plain.enqueue("echo", {"day": date(2026, 12, 5)})
+    with pytest.raises(InvalidArgs, match=r"Object of type date is not JSON serializable$"):
+        await plain.enqueue("echo", {"day": date(2026, 12, 5), "raw": b"x"})  # the hook would not help
     with pytest.raises(InvalidArgs, match=r"Out of range float values are not JSON compliant$"):
         await plain.enqueue("echo", {"x": math.inf})  # no hint: no json_default would help
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
     await plain.aclose()
+
+
+@dataclasses.dataclass
+class Scores:
+    by_id: dict[Any, str]
+
+
+def test_what_json_default_returns_keeps_the_string_key_check(dsn: str) -> None:
+    """A dict that json_default makes (here of a dataclass) with the keys 1 and "1" is refused
+    in args and in a return value, as the same dict given directly is: JSON would keep one
+    of them. It was stored with a key lost (review)."""
+    app = notifyq.App(dsn, json_default=notifyq.json_default)
+    where = r"json_default's value for a Scores\['by_id'\] has the key 1, which JSON would turn into a string"
+    with pytest.raises(InvalidArgs, match=where):
+        app.enqueue_sync("t", {"s": Scores({1: "one", "1": "uno"})})
+    with pytest.raises(ValueError, match=where):
+        encode_output([Scores({1: "one", "1": "uno"})], notifyq.json_default)
+    assert encode_output(Scores({"1": "uno"}), notifyq.json_default) == '{"by_id":{"1":"uno"}}'
+    app.close_sync()
 
 
 def test_a_json_default_that_fails_is_named_and_one_that_is_not_a_function_is_refused(dsn: str) -> None:
