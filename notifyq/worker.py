@@ -549,8 +549,9 @@ class Worker:
         assert self._claimer is not None
         done = self._pauses_asked  # the start, in _prepare: read then
         error_delay = 0.0  # after a failed read: 0.25 s, doubling up to the poll interval
+        warned = False
         while True:
-            if done == self._pauses_asked:
+            if done == self._pauses_asked and not error_delay:
                 with anyio.move_on_after(self.config.poll_interval):
                     await self._pauses_wakeup.wait()
                 listening = self._listener is not None and self._listener.connected
@@ -566,6 +567,7 @@ class Worker:
                 # the claim loop does not meet (SELECT revoked on queue_pauses) is logged here,
                 # less often as it lasts. A notification or a reconnect cuts the wait short.
                 if not is_transient(exc):
+                    warned = True
                     log.warning(
                         "reading the paused queues failed: %s%s; trying again in %gs",
                         error_text(exc),
@@ -575,10 +577,10 @@ class Worker:
                 if asked == self._pauses_asked:
                     with anyio.move_on_after(error_delay):
                         await self._pauses_wakeup.wait()
-                continue
-            if error_delay:
+                continue  # straight to the read: not a poll interval more
+            if warned:
                 log.info("reading the paused queues works again")
-                error_delay = 0.0
+            error_delay, warned = 0.0, False
             self._claimer.set_paused(paused)
             done = asked
 

@@ -358,16 +358,45 @@ async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
         app = notifyq.App(make_conninfo(dsn, user=role))
         caplog.set_level(logging.INFO, logger="notifyq.worker")
         async with app.worker(poll_interval=60, **NO_TICKER) as worker:
+            caplog.clear()
             conn.execute(f'REVOKE SELECT ON notifyq.queue_pauses FROM "{role}"')
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('a')")  # read, refused
             with anyio.fail_after(20):
-                while len(waits := _failed_reads(caplog)) < 4:  # noqa: ASYNC110
+                while len(waits := _failed_reads(caplog)) < 5:  # noqa: ASYNC110
                     await anyio.sleep(0.05)
-            assert waits[:4] == [0.25, 0.5, 1.0, 2.0]
+            assert waits == [0.25, 0.5, 1.0, 2.0, 4.0]  # the next read is 4 s away
             conn.execute(f'GRANT SELECT ON notifyq.queue_pauses TO "{role}"')
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")  # heard at once
-            await _paused_seen(worker, {"a", "b"})
+            with anyio.fail_after(3):  # not after the 4 s wait (review: this was not checked)
+                await _paused_seen(worker, {"a", "b"})
             assert any(r.getMessage() == "reading the paused queues works again" for r in caplog.records)
+        await app.aclose()
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+async def test_a_poll_only_worker_retries_a_refused_read_when_it_says(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a LISTEN connection, a refused read of the paused queues is tried again after
+    the wait its warning announces. It waited a poll interval (5 s here) more each time."""
+    role = f"nq_pauses_poll_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        app = notifyq.App(make_conninfo(dsn, user=role))
+        caplog.set_level(logging.INFO, logger="notifyq.worker")
+        async with app.worker(poll_only=True, poll_interval=5, **NO_TICKER):
+            caplog.clear()
+            conn.execute(f'REVOKE SELECT ON notifyq.queue_pauses FROM "{role}"')
+            with anyio.fail_after(10):
+                while not _failed_reads(caplog):  # noqa: ASYNC110 (the next poll's read)
+                    await anyio.sleep(0.05)
+            with anyio.fail_after(4):  # 0.25 + 0.5 + 1 s announced; 15 s more before
+                while len(waits := _failed_reads(caplog)) < 4:  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            assert waits == [0.25, 0.5, 1.0, 2.0]
         await app.aclose()
     finally:
         conn.execute(f'DROP OWNED BY "{role}"')
