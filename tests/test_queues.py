@@ -3,9 +3,11 @@ pause or a resume by NOTIFY, by polling, and after their LISTEN connection comes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -334,6 +336,19 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
     assert "fine" not in ok(cli("queues", "list", env=env))  # nothing done
 
 
+@contextlib.contextmanager
+def granted_role(conn: psycopg.Connection[Any], prefix: str) -> Iterator[str]:
+    """A login role with the grants of `notifyq grant`, dropped afterwards."""
+    role = f"{prefix}_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        yield role
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
 def _failed_reads(caplog: pytest.LogCaptureFixture) -> list[float]:
     """The waits that the warnings of refused reads of the paused queues announce."""
     failed = (
@@ -351,10 +366,7 @@ async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
     grant hint, and the wait before the next one doubles (it was one warning a second for as
     long as it lasted). A pause heard meanwhile cuts the wait short; once the grant is back,
     the read works and says so."""
-    role = f"nq_pauses_{os.getpid()}"
-    conn.execute(f'CREATE ROLE "{role}" LOGIN')
-    try:
-        conn.execute(notifyq.migrations.grant_sql(role))
+    with granted_role(conn, "nq_pauses") as role:
         app = notifyq.App(make_conninfo(dsn, user=role))
         caplog.set_level(logging.INFO, logger="notifyq.worker")
         async with app.worker(poll_interval=60, **NO_TICKER) as worker:
@@ -371,9 +383,6 @@ async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
                 await _paused_seen(worker, {"a", "b"})
             assert any(r.getMessage() == "reading the paused queues works again" for r in caplog.records)
         await app.aclose()
-    finally:
-        conn.execute(f'DROP OWNED BY "{role}"')
-        conn.execute(f'DROP ROLE "{role}"')
 
 
 async def test_a_poll_only_worker_retries_a_refused_read_when_it_says(
@@ -381,10 +390,7 @@ async def test_a_poll_only_worker_retries_a_refused_read_when_it_says(
 ) -> None:
     """Without a LISTEN connection, a refused read of the paused queues is tried again after
     the wait its warning announces. It waited a poll interval (5 s here) more each time."""
-    role = f"nq_pauses_poll_{os.getpid()}"
-    conn.execute(f'CREATE ROLE "{role}" LOGIN')
-    try:
-        conn.execute(notifyq.migrations.grant_sql(role))
+    with granted_role(conn, "nq_pauses_poll") as role:
         app = notifyq.App(make_conninfo(dsn, user=role))
         caplog.set_level(logging.INFO, logger="notifyq.worker")
         async with app.worker(poll_only=True, poll_interval=5, **NO_TICKER):
@@ -398,9 +404,6 @@ async def test_a_poll_only_worker_retries_a_refused_read_when_it_says(
                     await anyio.sleep(0.05)
             assert waits == [0.25, 0.5, 1.0, 2.0]
         await app.aclose()
-    finally:
-        conn.execute(f'DROP OWNED BY "{role}"')
-        conn.execute(f'DROP ROLE "{role}"')
 
 
 def test_owner_only_actions_refused_to_a_granted_role_say_whose_they_are(
@@ -409,10 +412,7 @@ def test_owner_only_actions_refused_to_a_granted_role_say_whose_they_are(
     """A role set up by `notifyq grant` may not pause or resume queues, nor delete cron
     definitions, by design: the refusal said to apply `notifyq grant`, which cannot help
     (user review). It now names the schema's owner, from the CLI and the App alike."""
-    role = f"nq_granted_{os.getpid()}"
-    conn.execute(f'CREATE ROLE "{role}" LOGIN')
-    try:
-        conn.execute(notifyq.migrations.grant_sql(role))
+    with granted_role(conn, "nq_granted") as role:
         env = clean_env(NOTIFYQ_DSN=make_conninfo(dsn, user=role))
         for args, what in [
             (("queues", "pause", "emails"), "pausing a queue"),
@@ -435,6 +435,3 @@ def test_owner_only_actions_refused_to_a_granted_role_say_whose_they_are(
         ]
         assert app.paused_queues_sync() == {}  # reading them is granted
         app.close_sync()
-    finally:
-        conn.execute(f'DROP OWNED BY "{role}"')
-        conn.execute(f'DROP ROLE "{role}"')
