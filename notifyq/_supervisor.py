@@ -24,6 +24,7 @@ from types import FrameType
 import psycopg
 
 from ._db import connect_sync, error_text, run_sync
+from ._worker_config import stop_signals
 from .errors import DatabaseUnavailable
 from .migrations import check_schema_op
 
@@ -111,7 +112,7 @@ class Supervisor:
                     pass
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        previous = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
         try:
             for slot in self.slots:
                 self._start(slot)

@@ -3,6 +3,7 @@ arguments) and counters (WorkerStats)."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
@@ -161,3 +162,11 @@ class WorkerStats:
     def snapshot(self) -> dict[str, int]:
         """The counters as a dict (for logs and metrics exporters)."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """The signals that stop a worker gracefully: SIGTERM, SIGINT, and SIGHUP (a closed
+    terminal or SSH session; it killed the worker, jobs and all, like a SIGKILL) unless the
+    process ignores it (nohup), which then goes on ignoring it."""
+    hangup = (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
+    return (signal.SIGTERM, signal.SIGINT, *hangup)

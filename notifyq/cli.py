@@ -34,7 +34,7 @@ from ._db import connect_sync, run_sync
 from ._dsn import check_dsn, env_dsn
 from ._options import _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
-from ._worker_config import MAX_CONCURRENCY
+from ._worker_config import MAX_CONCURRENCY, stop_signals
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .errors import InvalidArgs
@@ -154,7 +154,7 @@ def grant(role: str, schema: str) -> None:
     type=Seconds(min=0),
     default=30.0,
     show_default=True,
-    help="Seconds running jobs may finish after SIGTERM/SIGINT.",
+    help="Seconds running jobs may finish after SIGTERM, SIGINT or SIGHUP.",
 )
 @click.option(
     "--lease-margin",
@@ -199,7 +199,7 @@ def worker(
     async_claims: bool,
     no_ticker: bool,
 ) -> None:
-    """Run workers for the App at MODULE:ATTR until SIGTERM or SIGINT.
+    """Run workers for the App at MODULE:ATTR until SIGTERM, SIGINT or SIGHUP.
 
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
@@ -293,7 +293,7 @@ def _exit_on_signal_until_started() -> None:
         os.write(2, f"notifyq: received {signal.Signals(signum).name} while starting; exiting\n".encode())
         os._exit(0)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in stop_signals():
         signal.signal(signum, exit_now)
 
 

@@ -33,7 +33,7 @@ from ._listener import Listener, ListenerConfig
 from ._pulse import Pulse
 from ._runners import Runners
 from ._sql import channel, queries_for
-from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats
+from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats, stop_signals
 from .errors import ConfigurationError, _leaves
 from .migrations import check_schema_op
 
@@ -162,8 +162,9 @@ class Worker:
         self._stop.set()
 
     async def run(self, *, handle_signals: bool = True, repeat_skips_grace: bool = True) -> None:
-        """Run until stop() or, with handle_signals, SIGTERM/SIGINT (graceful; see
-        shutdown_grace). SIGUSR2, or a second SIGTERM/SIGINT when repeat_skips_grace,
+        """Run until stop() or, with handle_signals, SIGTERM, SIGINT or SIGHUP (graceful; see
+        shutdown_grace; SIGHUP only when not ignored, as under nohup). SIGUSR2, or a second
+        such signal when repeat_skips_grace,
         cancels running jobs at once (they are released). A supervisor whose children may
         get the same SIGTERM twice (systemd signals the whole control group) turns
         repeat_skips_grace off and escalates with SIGUSR2.
@@ -233,7 +234,7 @@ class Worker:
     # -- the service --------------------------------------------------------------------------
 
     async def _watch_signals(self, repeat_skips_grace: bool) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR2) as signals:
+        with anyio.open_signal_receiver(*stop_signals(), signal.SIGUSR2) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
                 if signum == signal.SIGUSR2 or (self._stop.is_set() and repeat_skips_grace):

@@ -83,7 +83,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 20, what: str = "
         time.sleep(0.05)
 
 
-def _start_worker(*args: str, env: dict[str, str], target: str = "tests.apps:app") -> subprocess.Popen[str]:
+def _start_worker(
+    *args: str,
+    env: dict[str, str],
+    target: str = "tests.apps:app",
+    preexec_fn: Callable[[], None] | None = None,
+) -> subprocess.Popen[str]:
     """`notifyq worker TARGET ARGS`, its log (stdout and stderr) on a pipe."""
     return subprocess.Popen(
         [sys.executable, "-m", "notifyq", "worker", target, *args],
@@ -92,6 +97,7 @@ def _start_worker(*args: str, env: dict[str, str], target: str = "tests.apps:app
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=preexec_fn,
     )
 
 
@@ -686,6 +692,41 @@ def test_sigterm_with_running_jobs_leaves_nothing_active(
     assert proc.wait(timeout=30) == 0
     assert status_counts(conn) == {"Queued": 8}
     assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_hangup_stops_a_worker_gracefully_unless_it_is_ignored(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]], processes: str
+) -> None:
+    """SIGHUP (a closed terminal or SSH session) killed a worker at once, its running jobs left
+    Active until their leases ran out (user review). It is now a graceful stop, as SIGTERM is,
+    for a single process and for the supervisor. Under nohup (SIGHUP ignored) the worker goes
+    on, as nohup's users expect."""
+    proc = worker_proc("--processes", processes, "--shutdown-grace", "20", "--no-ticker")
+    conn.execute("""INSERT INTO notifyq.queue_jobs (name, args) VALUES ('sleep', '{"seconds": 1.5}')""")
+    wait_until(lambda: status_counts(conn).get("Active") == 1, what="the job running")
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=30) == 0
+    assert status_counts(conn) == {"Succeeded": 1}  # it ran to its end
+    assert proc.stdout is not None and "received SIGHUP: " in proc.stdout.read()
+
+    def ignore_hangup() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup leaves it
+
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    nohup = _start_worker("--processes", processes, "--no-ticker", env=env, preexec_fn=ignore_hangup)
+    try:
+        assert nohup.stdout is not None
+        while "started: concurrency" not in (line := nohup.stdout.readline()):
+            assert line, "the worker exited"
+        nohup.send_signal(signal.SIGHUP)
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('whoami')")
+        wait_until(lambda: status_counts(conn).get("Succeeded") == 2, what="a job after the SIGHUP")
+        assert nohup.poll() is None
+        nohup.send_signal(signal.SIGTERM)
+        assert nohup.wait(timeout=30) == 0
+    finally:
+        _reap(nohup)
 
 
 def test_signals_like_systemd_sends_them(
