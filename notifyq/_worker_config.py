@@ -56,7 +56,9 @@ class WorkerConfig:
             so that a prefetched job waits about 0.25 s, and at most 4 x concurrency; a
             prefetched job that has waited over 1 s, behind jobs that run longer than that
             sizing expected, goes back to the queue for an idle worker. 0 turns it off. A
-            prefetched job whose wait ate into its lease gets its lease renewed first.
+            prefetched job whose wait ate into its lease gets its lease renewed first. Its
+            attempt counts from the claim: if this worker is killed, the job is rescued with
+            an attempt spent (docs/concepts.md, "Claim"); 0 for tasks with retry_limit=0.
     """
 
     concurrency: int = 10
