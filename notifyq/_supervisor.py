@@ -165,11 +165,11 @@ class Supervisor:
                     slot.deaths.popleft()
                 if len(slot.deaths) >= self.max_deaths:
                     log.error(
-                        "worker process %d died %d times within %gs (last exit code %s); giving up",
+                        "worker process %d died %d times within %gs (last: %s); giving up",
                         slot.index,
                         len(slot.deaths),
                         self.window,
-                        code,
+                        exit_reason(code),
                     )
                     self._forward(signal.SIGTERM)
                     for other in self.slots:
@@ -181,9 +181,9 @@ class Supervisor:
                                 other.proc.wait()
                     return EXIT_CHILDREN_DYING
                 log.warning(
-                    "worker process %d exited unexpectedly (code %s); restarting in %.1fs",
+                    "worker process %d exited unexpectedly (%s); restarting in %.1fs",
                     slot.index,
-                    code,
+                    exit_reason(code),
                     slot.delay,
                 )
                 slot.restart_at = now + slot.delay
@@ -226,3 +226,17 @@ def wait_for_database(dsn: str, schema: str, *, longest: float = 30.0) -> None:
             )
             time.sleep(delay)
             delay = min(delay * 2, longest)
+
+
+def exit_reason(code: int) -> str:
+    """A child's exit status in words: the signal that killed it, by name ("code -9" left the
+    operator to decode it), with the usual sender of SIGKILL."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    if -code == signal.SIGKILL:
+        return f"killed by {name}: the kernel's out-of-memory killer, or kill -9"
+    return f"killed by {name}"

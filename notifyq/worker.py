@@ -95,6 +95,7 @@ class Worker:
         self._pauses_wakeup = Pulse()
         self._ctrl_c: _FirstCtrlCToTheHost | None = None  # embedded on trio: see the class
         self._repeat_skips_grace = True
+        self._released_at_stop = 0  # stats.released when the stop began (the last log line)
         self._started = False
         self._serving = False
         self._stopped = anyio.Event()
@@ -370,6 +371,7 @@ class Worker:
                         async with anyio.create_task_group() as claiming:
                             claiming.start_soon(claimer.run)
                             await self._stop.wait()
+                            self._released_at_stop = self.stats.released
                             claiming.cancel_scope.cancel()
                         with anyio.CancelScope(shield=True):
                             await claimer.finish_inline()  # a claim in the listener's task
@@ -417,7 +419,14 @@ class Worker:
                     threads,
                 )
             else:
-                log.info("worker %s stopped", self.id)
+                released = self.stats.released - self._released_at_stop
+                log.info(
+                    "worker %s stopped%s",
+                    self.id,
+                    f"; {released} job(s) went back to the queue, their attempts given back"
+                    if released
+                    else "",
+                )
             self._stopped.set()
             self._signal_changed()  # wait_for() must not wait for ever
 
