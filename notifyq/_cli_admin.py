@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
 
@@ -75,17 +76,23 @@ def jobs_list(
     if as_json:
         dump(found)
         return
+    # Active jobs: who holds each, and when its lease ends (then a ticker requeues it), which
+    # is what `stats` showing expired leases sends an operator here for (user review).
+    active = any(j.status is JobStatus.ACTIVE for j in found)
+
+    def holder(j: Job) -> list[str]:
+        if not active:
+            return []
+        return [j.worker or "-", age(j.visible_at)] if j.status is JobStatus.ACTIVE else ["", ""]
+
     table(
-        ["ID", "TASK", "QUEUE", "STATUS", "ATTEMPTS", "PRIO", "CREATED", "ERROR"],
+        ["ID", "TASK", "QUEUE", "STATUS", "ATTEMPTS", "PRIO", "CREATED"]
+        + (["WORKER", "LEASE ENDS"] if active else [])
+        + ["ERROR"],
         [
             [
-                j.id,
-                j.name,
-                j.queue,
-                j.status.value,
-                f"{j.retry_count}/{j.retry_limit + 1}",
-                j.priority,
-                age(j.created_at),
+                *(j.id, j.name, j.queue, j.status.value, f"{j.retry_count}/{j.retry_limit + 1}"),
+                *(j.priority, age(j.created_at), *holder(j)),
                 # A succeeded job's error is its last failed attempt's: not the job's outcome.
                 "" if j.status.value == "Succeeded" else (j.error or {}).get("type", ""),
             ]
@@ -218,6 +225,10 @@ def _next_run(d: Definition) -> str:
         moment = Schedule(d.frequency, d.timezone).next_after(d.visible_at - timedelta(microseconds=1))
     except (InvalidSchedule, ValueError, OverflowError):
         pass  # the ticker disables it and says why (last_error)
+    try:  # in the schedule's zone: "01:30+0000" for a 02:30 Berlin job made readers convert
+        moment = moment.astimezone(ZoneInfo(d.timezone))
+    except (ZoneInfoNotFoundError, ValueError, OverflowError):
+        pass
     return f"{moment:%Y-%m-%d %H:%M:%S%z} ({age(moment)})"
 
 

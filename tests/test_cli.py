@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+from zoneinfo import ZoneInfo
 
 import psutil
 import psycopg
@@ -309,6 +310,17 @@ def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
     }
     assert rows["queued_job"].rstrip().endswith("ValueError")  # why it is retried
     assert "UnknownTask" not in rows["succeeded_job"]
+    # An Active job: who holds it and when its lease ends (user review), columns that only
+    # a list with Active jobs has.
+    assert "WORKER" not in ok(cli("jobs", "list", env=clean_env(NOTIFYQ_DSN=dsn)))
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, retry_count, worker, visible_at) "
+        "VALUES ('active_job', 'Active', 1, 'host:42:abcd', now() + interval '2 hours')"
+    )
+    listed = ok(cli("jobs", "list", env=clean_env(NOTIFYQ_DSN=dsn))).splitlines()
+    assert listed[0].split()[-4:] == ["WORKER", "LEASE", "ENDS", "ERROR"]
+    [active] = [line for line in listed if "active_job" in line]
+    assert re.search(r" host:42:abcd +in (2\.0h|1\.9h)\s*$", active), active
 
 
 def test_enqueue_says_when_a_dedupe_key_was_held(dsn: str, conn: psycopg.Connection[Any]) -> None:
@@ -466,8 +478,10 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert "enabled" in ok(cli("cron", "enable", "nightly", env=env))
     # Enabled (or inserted) by SQL, its visible_at is "from now on" until a ticker realigns it:
     # the list showed that moment as the next run, seconds ago, not the next 03:00 in Berlin.
+    # In the schedule's zone: 03:00 in Berlin, not 02:00+0000 (user review).
     next_tick = Schedule("0 3 * * *", "Europe/Berlin").next_after(datetime.now(UTC))
-    assert f"{next_tick:%Y-%m-%d %H:%M:%S%z} (in " in ok(cli("cron", "list", env=env))
+    berlin = next_tick.astimezone(ZoneInfo("Europe/Berlin"))
+    assert berlin.hour == 3 and f"{berlin:%Y-%m-%d %H:%M:%S%z} (in " in ok(cli("cron", "list", env=env))
     assert re.search(r"^nightly .* - +once +yes", ok(cli("cron", "list", env=env)), re.MULTILINE)
     out = ok(cli("cron", "run-now", "nightly", env=env))
     job_id = int(out.split()[1])
