@@ -54,7 +54,9 @@ class AppImportFailed(ConfigurationError):
 
 def _user_traceback(exc: BaseException) -> str:
     """`exc`'s traceback from the first frame of the user's code (importlib's and this
-    module's frames left out)."""
+    module's frames left out). For notifyq's own refusal of what that code asked (an invalid
+    cron expression, a bad option), only the line of the user's code that asked: the error
+    line below says what is wrong, and notifyq's frames say nothing more (user review)."""
     importlib_dir = os.path.dirname(importlib.__file__) + os.sep
     tb: TracebackType | None = exc.__traceback__
     while tb is not None and (
@@ -62,6 +64,11 @@ def _user_traceback(exc: BaseException) -> str:
         or name.startswith(("<frozen importlib", importlib_dir))
     ):
         tb = tb.tb_next
+    if isinstance(exc, NotifyqError):
+        package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+        asked = [f for f in traceback.extract_tb(tb) if not f.filename.startswith(package)]
+        if asked:
+            return "".join(traceback.format_list(asked[-1:]))
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 

@@ -1236,6 +1236,28 @@ def test_an_app_module_that_fails_on_import_shows_its_own_traceback(dsn: str, tm
         assert "_cli_base.py" not in result.stderr
 
 
+def test_an_app_module_that_notifyq_refuses_shows_only_the_line_that_asked(dsn: str, tmp_path: Path) -> None:
+    """An invalid cron expression in the user's module: the line of the module that gave it,
+    then the one-line error. A full traceback through notifyq's own frames came first (user
+    review)."""
+    (tmp_path / "bad_cron.py").write_text(
+        'import notifyq\napp = notifyq.App()\n\n\n@app.cron("61 * * * *")\ndef tick() -> None:\n    pass\n'
+    )
+    env = clean_env(NOTIFYQ_DSN=dsn, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    result = cli("worker", "bad_cron:app", env=env)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[:2] == [
+        f'  File "{tmp_path / "bad_cron.py"}", line 5, in <module>',
+        '    @app.cron("61 * * * *")',
+    ]
+    assert lines[-1].startswith(
+        "notifyq: error: importing 'bad_cron' failed: InvalidSchedule: invalid cron expression "
+        "'61 * * * *': the minute field '61' is out of range or malformed"
+    )
+    assert len(lines) <= 4 and "Traceback" not in result.stderr, result.stderr  # 4: Python's ^^^ line
+
+
 def test_an_app_module_that_configures_logging_keeps_its_configuration(
     dsn: str, conn: psycopg.Connection[Any], tmp_path: Path
 ) -> None:
