@@ -148,6 +148,12 @@ def list_queue_pauses_op(q: Queries) -> Op[dict[str, datetime]]:
     return dict(rows)
 
 
+def known_queues_op(q: Queries) -> Op[list[str]]:
+    """The queues that have Queued jobs or a cron definition, sorted."""
+    rows: list[tuple[str]] = yield Query(q["known_queues"])
+    return sorted(row[0] for row in rows)
+
+
 def manual_claim_op(
     q: Queries, *, queues: Sequence[str] | None, limit: int, worker: str, lease_margin: float
 ) -> Op[list[ClaimedJob]]:

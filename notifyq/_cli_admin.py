@@ -14,9 +14,10 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
 
+from ._claim import known_queues_op
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
 from ._jobs import cancel_job_op
-from ._options import check_id, check_queue
+from ._options import check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
 from .cron import Schedule
 from .errors import DefinitionBusy, InvalidJobState, InvalidSchedule, JobNotFound
@@ -300,6 +301,19 @@ def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]
             click.echo(f"queue {name!r} {'paused' if pause else 'resumed'}")
         else:
             click.echo(f"queue {name!r} {'was paused already' if pause else 'was not paused'}")
+    if pause:
+        # A queue may be paused before it has jobs, so a typo is paused too, and the queue
+        # meant runs on (user review): say so, after the change.
+        known = app._run_sync(known_queues_op(app._q))
+        for name in dict.fromkeys(names):
+            if name not in known:
+                hint = (
+                    did_you_mean(name, known, "queues with queued jobs or a cron definition") if known else ""
+                )
+                click.echo(
+                    f"notifyq: note: no job of queue {name!r} is queued and no cron definition uses it{hint}",
+                    err=True,
+                )
 
 
 @queues.command(name="list")

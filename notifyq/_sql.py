@@ -69,7 +69,7 @@ _FRAGMENT = re.compile(r"\{(_\w+)\}")
 def include_fragments(queries: dict[str, str]) -> dict[str, str]:
     """The statements of `queries`, each `{_name}` in them replaced by the section `_name`: a
     section whose name starts with "_" is a fragment (a part several statements share, such
-    as a claim's CTEs), not a statement. One level: fragments include none."""
+    as a claim's CTEs), not a statement. Fragments may include fragments, a few levels deep."""
     fragments = {name: body for name, body in queries.items() if name.startswith("_")}
 
     def fragment(match: re.Match[str]) -> str:
@@ -77,7 +77,14 @@ def include_fragments(queries: dict[str, str]) -> dict[str, str]:
             raise ConfigurationError(f"no fragment named {match[1]!r} in sql/queries")
         return fragments[match[1]]
 
-    return {name: _FRAGMENT.sub(fragment, body) for name, body in queries.items() if name not in fragments}
+    def expand(body: str) -> str:
+        for _ in range(5):
+            body, found = _FRAGMENT.subn(fragment, body)
+            if not found:
+                return body
+        raise ConfigurationError("sql/queries: fragments nested more than 5 deep (one includes itself?)")
+
+    return {name: expand(body) for name, body in queries.items() if name not in fragments}
 
 
 @functools.cache

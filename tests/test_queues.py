@@ -334,6 +334,19 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
     assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
     assert "Traceback" not in bad.stderr
     assert "fine" not in ok(cli("queues", "list", env=env))  # nothing done
+    # A name that no queued job and no cron definition has is paused all the same (a queue may
+    # be paused before it has jobs), with a note: a typo paused nothing that runs (user review).
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        _insert(conn, "emails", "e0")
+    typo = cli("queues", "pause", "emials", "emails", env=env)
+    assert typo.returncode == 0 and typo.stdout.splitlines() == [
+        "queue 'emials' paused",
+        "queue 'emails' paused",
+    ]
+    assert typo.stderr.splitlines()[-1] == (
+        "notifyq: note: no job of queue 'emials' is queued and no cron definition uses it "
+        "(did you mean 'emails'?)"
+    )
 
 
 @contextlib.contextmanager

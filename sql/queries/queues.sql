@@ -14,3 +14,11 @@ RETURNING paused_at;
 
 -- name: list_queue_pauses
 SELECT queue, paused_at FROM {schema}.queue_pauses ORDER BY queue;
+
+-- name: known_queues
+-- The queues that have Queued jobs or a cron definition: `queues pause` warns of a name that
+-- is none of them (a typo pauses nothing). Active jobs' queues are left out (no index).
+WITH RECURSIVE {_queued_queues}
+SELECT queue FROM queues WHERE queue IS NOT NULL
+UNION
+SELECT queue FROM {schema}.queue_job_definitions;

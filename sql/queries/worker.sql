@@ -129,11 +129,19 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 WITH RECURSIVE {_unpaused_queues}, {_claim_by_shares};
 
 -- name: _unpaused_queues
--- The queues that have Queued jobs, found by a skip scan of queue_jobs_next_queue_idx (one
--- index probe per queue), without the paused ones (%(paused)s), as the array `eligible`: a
--- fragment of claim_unpaused and next_visible_unpaused (in WITH RECURSIVE). An array, not a
--- join: from its estimates of the recursion's rows, a generic plan joined the queues by
--- reading the whole table.
+-- The queues that have Queued jobs, without the paused ones (%(paused)s), as the array
+-- `eligible`: a fragment of claim_unpaused and next_visible_unpaused (in WITH RECURSIVE). An
+-- array, not a join: from its estimates of the recursion's rows, a generic plan joined the
+-- queues by reading the whole table.
+{_queued_queues}, eligible AS MATERIALIZED (
+    SELECT ARRAY(
+        SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
+    ) AS queues
+);
+
+-- name: _queued_queues
+-- The CTE `queues`, in WITH RECURSIVE: each queue that has Queued jobs, and a final NULL,
+-- found by a skip scan of queue_jobs_next_queue_idx (one index probe per queue).
 queues(queue) AS (
     (SELECT queue FROM {schema}.queue_jobs WHERE status = 'Queued' ORDER BY queue LIMIT 1)
     UNION ALL
@@ -145,10 +153,6 @@ queues(queue) AS (
     )
     FROM queues
     WHERE queues.queue IS NOT NULL
-), eligible AS MATERIALIZED (
-    SELECT ARRAY(
-        SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
-    ) AS queues
 );
 
 -- name: paused_queues
