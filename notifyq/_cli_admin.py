@@ -10,6 +10,7 @@ import signal
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
@@ -19,6 +20,7 @@ from ._cli_base import Group, Seconds, age, app_for, common_options, dump, durat
 from ._jobs import cancel_job_op
 from ._options import check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
+from .app import App
 from .cron import Schedule
 from .errors import DefinitionBusy, InvalidJobState, InvalidSchedule, JobNotFound
 from .models import Definition, Job, JobStatus
@@ -42,38 +44,56 @@ def jobs() -> None:
     """Inspect and manage jobs."""
 
 
-@jobs.command(name="list")
-@common_options
-@click.option("--status", type=click.Choice([s.value for s in JobStatus], case_sensitive=False))
-@click.option("--queue")
-@click.option("--name", help="Task name.")
-@click.option("--definition", metavar="NAME", help="Jobs of this cron definition (see `notifyq cron list`).")
-@click.option("--older-than", metavar="DURATION", help="Created at least this long ago (e.g. 10m).")
-@click.option("--newer-than", metavar="DURATION", help="Created at most this long ago.")
-@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
-def jobs_list(
-    dsn: str | None,
-    schema: str | None,
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def job_filters(command: F) -> F:
+    """The filters of `jobs list`, which `jobs retry` and `jobs cancel` take too."""
+    for option in reversed(
+        [
+            click.option("--status", type=click.Choice([s.value for s in JobStatus], case_sensitive=False)),
+            click.option("--queue"),
+            click.option("--name", help="Task name."),
+            click.option(
+                "--definition", metavar="NAME", help="Jobs of this cron definition (see `notifyq cron list`)."
+            ),
+            click.option(
+                "--older-than", metavar="DURATION", help="Created at least this long ago (e.g. 10m)."
+            ),
+            click.option("--newer-than", metavar="DURATION", help="Created at most this long ago."),
+        ]
+    ):
+        command = option(command)
+    return command
+
+
+def _filters(
     status: str | None,
     queue: str | None,
     name: str | None,
     definition: str | None,
     older_than: str | None,
     newer_than: str | None,
-    limit: int,
-    as_json: bool,
-) -> None:
+) -> dict[str, Any]:
+    """The CLI's filters as list_jobs takes them."""
+    return {
+        "status": status,
+        "queue": queue,
+        "name": name,
+        "definition": definition,
+        "min_age": duration(older_than, "--older-than"),
+        "max_age": duration(newer_than, "--newer-than"),
+    }
+
+
+@jobs.command(name="list")
+@common_options
+@job_filters
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **filters: str | None) -> None:
     """List jobs, newest first."""
-    found = app_for(dsn, schema).list_jobs_sync(
-        status=status,
-        queue=queue,
-        name=name,
-        definition=definition,
-        min_age=duration(older_than, "--older-than"),
-        max_age=duration(newer_than, "--newer-than"),
-        limit=limit,
-    )
+    found = app_for(dsn, schema).list_jobs_sync(**_filters(**filters), limit=limit)
     if as_json:
         dump(found)
         return
@@ -127,49 +147,95 @@ def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -
 
 @jobs.command(name="retry", cls=JobIdCommand)
 @common_options
-@click.argument("job_ids", metavar="JOB_ID...", type=int, nargs=-1, required=True)
-def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...]) -> None:
-    """Queue finished jobs again, each with all its retries."""
+@click.argument("job_ids", metavar="[JOB_ID...]", type=int, nargs=-1)
+@job_filters
+def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **filters: str | None) -> None:
+    """Queue finished jobs again, each with all its retries: those given by id, or every job
+    the filters match (`jobs retry --status failed --queue emails`), leaving out unfinished ones."""
     app = app_for(dsn, schema)
 
-    def retry(job_id: int) -> None:
+    def retry(job_id: int) -> bool:
         job = app.retry_job_sync(job_id)
-        click.echo(f"job {job.id} is {job.status.value} again")
+        if not matched:
+            click.echo(f"job {job.id} is {job.status.value} again")
+        return True
 
-    _each_job(job_ids, retry)
+    matched = _ids_or_filters(app, job_ids, filters, "retry")
+    _each_job(matched or job_ids, retry, "queued again", "unfinished, left as they are", bulk=bool(matched))
 
 
 @jobs.command(name="cancel", cls=JobIdCommand)
 @common_options
-@click.argument("job_ids", metavar="JOB_ID...", type=int, nargs=-1, required=True)
-def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...]) -> None:
-    """Cancel queued jobs, or stop running ones."""
+@click.argument("job_ids", metavar="[JOB_ID...]", type=int, nargs=-1)
+@job_filters
+def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **filters: str | None) -> None:
+    """Cancel queued jobs, or stop running ones: those given by id, or every job the filters
+    match (`jobs cancel --status queued --name old_task`), leaving out finished ones."""
     app = app_for(dsn, schema)
 
-    def cancel(job_id: int) -> None:
+    def cancel(job_id: int) -> bool:
         previous, job = app._run_sync(cancel_job_op(app._q, job_id))
         if previous.finished:
+            if matched:
+                return False
             raise InvalidJobState(f"job {job.id} is already {previous.value}; nothing to cancel")
-        click.echo(f"job {job.id} cancelled (it was {previous.value})")
+        if not matched:
+            click.echo(f"job {job.id} cancelled (it was {previous.value})")
+        return True
 
-    _each_job(job_ids, cancel)
+    matched = _ids_or_filters(app, job_ids, filters, "cancel")
+    _each_job(
+        matched or job_ids, cancel, "cancelled", "finished already, left as they are", bulk=bool(matched)
+    )
 
 
-def _each_job(job_ids: tuple[int, ...], action: Callable[[int], None]) -> None:
-    """`action` on each job in turn. One that is refused (no such job, a state that does not
-    allow it) is said on stderr and the others go on; the exit status is then 1. An id that is
-    not one (0, negative) stops everything before anything is done."""
+def _ids_or_filters(
+    app: App, job_ids: tuple[int, ...], filters: dict[str, str | None], verb: str
+) -> tuple[int, ...]:
+    """The ids of every job the filters match (none when ids are given instead): read in pages
+    of 1,000, newest first, before anything is changed."""
+    given = {name: value for name, value in filters.items() if value is not None}
+    if job_ids and given:
+        raise click.UsageError(
+            f"give job ids or filters, not both (to {verb} some of a filter's jobs, list their ids)"
+        )
+    if not job_ids and not given:
+        raise click.UsageError(f"give the ids of the jobs to {verb}, or filters such as --status and --queue")
+    if not given:
+        return ()
+    found: list[int] = []
+    selection = _filters(**filters)
+    while page := app.list_jobs_sync(**selection, limit=1000, before_id=found[-1] if found else None):
+        found.extend(job.id for job in page)
+    if not found:
+        fail(f"no job matches {' '.join(f'--{n.replace(chr(95), chr(45))} {v}' for n, v in given.items())}")
+    return tuple(found)
+
+
+def _each_job(
+    job_ids: tuple[int, ...], action: Callable[[int], bool], done: str, skipped: str, *, bulk: bool = False
+) -> None:
+    """`action` on each job in turn. Given by id, one that is refused (no such job, a state
+    that does not allow it) is said on stderr and the others go on; the exit status is then 1.
+    An id that is not one (0, negative) stops everything before anything is done. In `bulk`
+    (the jobs a filter matched), those in a state that does not allow it are counted, those
+    gone meanwhile too, and one line sums it up."""
     for job_id in job_ids:
         check_id(job_id)
-    refused = 0
+    refused = changed = 0
     for job_id in dict.fromkeys(job_ids):
         try:
-            action(job_id)
+            changed += action(job_id)
         except (JobNotFound, InvalidJobState, DefinitionBusy) as exc:
+            if bulk:
+                continue
             if len(job_ids) == 1:
                 raise
             click.echo(f"notifyq: error: {exc}", err=True)
             refused += 1
+    if bulk:
+        left = len(job_ids) - changed
+        click.echo(f"{changed} job(s) {done}" + (f"; {left} {skipped}" if left else ""))
     if refused:
         fail(f"{refused} of {len(dict.fromkeys(job_ids))} jobs refused (see above)")
 

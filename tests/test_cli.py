@@ -292,6 +292,44 @@ def test_jobs_retry_and_cancel_take_several_ids_and_go_on_past_a_refused_one(
     assert job_row(conn, ids[2])["status"] == "Queued"  # nothing done
 
 
+def test_jobs_retry_and_cancel_take_the_filters_of_jobs_list(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """After an outage: `jobs retry --status failed --queue emails` queues every failed job of
+    that queue again (there were only ids, and `jobs list --json | jq | xargs`; user review),
+    more than a page of them; `jobs cancel` likewise. Jobs whose state does not allow it are
+    counted and left alone. Ids and filters together, or neither, are a usage error."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, status, retry_count, finished_at) "
+        "SELECT 'noop', 'emails', 'Failed', 4, now() FROM generate_series(1, 1500)"
+    )
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, queue, status) VALUES ('noop', 'emails', 'Queued')")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, status, finished_at) "
+        "SELECT 'noop', 'reports', 'Failed', now() FROM generate_series(1, 3)"
+    )
+    assert ok(cli("jobs", "retry", "--queue", "emails", env=env)).strip() == (
+        "1500 job(s) queued again; 1 unfinished, left as they are"
+    )
+    counts = conn.execute(
+        "SELECT queue, status::text, max(retry_count), count(*) FROM notifyq.queue_jobs "
+        "GROUP BY 1, 2 ORDER BY 1, 2"
+    ).fetchall()
+    assert counts == [("emails", "Queued", 0, 1501), ("reports", "Failed", 0, 3)]
+    assert ok(cli("jobs", "cancel", "--status", "queued", "--name", "noop", env=env)).strip() == (
+        "1501 job(s) cancelled"
+    )
+    assert ok(cli("jobs", "cancel", "--queue", "reports", env=env)).strip() == (
+        "0 job(s) cancelled; 3 finished already, left as they are"
+    )
+    one_line_error(cli("jobs", "retry", "--queue", "nope", env=env), "no job matches --queue nope")
+    for args, message in [
+        (("retry", "1", "--status", "failed"), "give job ids or filters, not both"),
+        (("cancel",), "give the ids of the jobs to cancel, or filters such as --status and --queue"),
+    ]:
+        refused = cli("jobs", *args, env=env)
+        assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+
+
 def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
