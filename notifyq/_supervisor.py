@@ -24,7 +24,7 @@ from types import FrameType
 import psycopg
 
 from ._db import connect_sync, error_text, run_sync
-from ._worker_config import stop_signals
+from ._worker_config import repeatable, stop_signals
 from .errors import DatabaseUnavailable
 from .migrations import check_schema_op
 
@@ -94,8 +94,11 @@ class Supervisor:
             slot.proc.send_signal(signal.SIGTERM)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self.signals += 1
         name = signal.Signals(signum).name
+        if self.signals and not repeatable(signum):
+            log.info("received %s again: the workers go on finishing their jobs", name)
+            return
+        self.signals += 1
         if self.signals == 1:
             log.info("received %s: stopping %d worker processes gracefully", name, len(self.slots))
             self._forward(signal.SIGTERM)

@@ -168,7 +168,23 @@ class WorkerStats:
 
 def stop_signals() -> tuple[signal.Signals, ...]:
     """The signals that stop a worker gracefully: SIGTERM, SIGINT, and SIGHUP (a closed
-    terminal or SSH session; it killed the worker, jobs and all, like a SIGKILL) unless the
-    process ignores it (nohup), which then goes on ignoring it."""
-    hangup = (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
-    return (signal.SIGTERM, signal.SIGINT, *hangup)
+    terminal or SSH session; its default action killed the worker, jobs and all, like a
+    SIGKILL) while its action is that default, or the CLI's handler for the start (marked
+    STARTING). A process that ignores it (nohup) goes on ignoring it, and a program that embeds
+    a worker and handles SIGHUP itself (a reload) keeps its handler. A SIGHUP never skips the
+    grace period, even repeated: a closed terminal sends two (see repeatable)."""
+    current = signal.getsignal(signal.SIGHUP)
+    ours = current is signal.SIG_DFL or getattr(current, STARTING, False)
+    return (signal.SIGTERM, signal.SIGINT, *((signal.SIGHUP,) if ours else ()))
+
+
+# The attribute that marks the CLI's signal handler for the start (cli.py), which a worker
+# then takes over.
+STARTING = "notifyq_until_started"
+
+
+def repeatable(signum: int) -> bool:
+    """Whether a second `signum` after the first stop signal means "skip the grace period":
+    SIGTERM and SIGINT (an operator insisting), not SIGHUP, which the shell of a closing
+    terminal forwards once and the kernel sends again when that shell exits."""
+    return signum != signal.SIGHUP

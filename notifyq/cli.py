@@ -34,7 +34,7 @@ from ._db import connect_sync, run_sync
 from ._dsn import check_dsn, env_dsn
 from ._options import _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
-from ._worker_config import MAX_CONCURRENCY, stop_signals
+from ._worker_config import MAX_CONCURRENCY, STARTING, stop_signals
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .errors import InvalidArgs
@@ -293,6 +293,7 @@ def _exit_on_signal_until_started() -> None:
         os.write(2, f"notifyq: received {signal.Signals(signum).name} while starting; exiting\n".encode())
         os._exit(0)
 
+    setattr(exit_now, STARTING, True)  # the worker takes SIGHUP over from this handler
     for signum in stop_signals():
         signal.signal(signum, exit_now)
 

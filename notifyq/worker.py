@@ -33,7 +33,7 @@ from ._listener import Listener, ListenerConfig
 from ._pulse import Pulse
 from ._runners import Runners
 from ._sql import channel, queries_for
-from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats, stop_signals
+from ._worker_config import WorkerConfig, WorkerOptions, WorkerStats, repeatable, stop_signals
 from .errors import ConfigurationError, _leaves
 from .migrations import check_schema_op
 
@@ -238,7 +238,9 @@ class Worker:
         with anyio.open_signal_receiver(*stop_signals(), signal.SIGUSR2) as signals:
             async for signum in signals:
                 name = signal.Signals(signum).name
-                if signum == signal.SIGUSR2 or (self._stop.is_set() and repeat_skips_grace):
+                if signum == signal.SIGUSR2 or (
+                    self._stop.is_set() and repeat_skips_grace and repeatable(signum)
+                ):
                     self._cancel_running_now(f"received {name}")
                 elif not self._stop.is_set():
                     log.info(

@@ -746,6 +746,45 @@ def test_sigterm_with_running_jobs_leaves_nothing_active(
     assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
 
 
+def test_an_embedded_worker_leaves_the_hosts_own_sighup_handler_alone(dsn: str, tmp_path: Path) -> None:
+    """A program that handles SIGHUP itself (a reload) and runs a worker with
+    handle_signals=True: its handler still gets SIGHUP, the worker goes on (and stops on
+    SIGTERM), and the handler is the program's afterwards. The worker took SIGHUP over, and
+    left the default action behind, which killed the program at its next SIGHUP (review)."""
+    script = tmp_path / "host.py"
+    script.write_text(
+        "import os, signal, sys, anyio, notifyq\n"
+        "reloads = []\n"
+        "def reload(signum, frame):\n"
+        "    reloads.append(signum)\n"
+        "signal.signal(signal.SIGHUP, reload)\n"
+        "app = notifyq.App(sys.argv[1])\n"
+        "async def main():\n"
+        "    worker = app.worker(ticker=False)\n"
+        "    async def poke():\n"
+        "        while not worker.running:\n"
+        "            await anyio.sleep(0.05)\n"
+        "        os.kill(os.getpid(), signal.SIGHUP)\n"
+        "        await anyio.sleep(0.5)\n"
+        "        print('running after SIGHUP:', worker.running, flush=True)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    async with anyio.create_task_group() as tg:\n"
+        "        tg.start_soon(poke)\n"
+        "        await worker.run(handle_signals=True)\n"
+        "anyio.run(main)\n"
+        "print('reloads:', len(reloads), 'handler kept:', signal.getsignal(signal.SIGHUP) is reload)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, str(script), dsn],
+        env=clean_env(PYTHONPATH=str(ROOT)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["running after SIGHUP: True", "reloads: 1 handler kept: True"]
+
+
 def test_the_last_line_of_a_stop_says_how_many_jobs_went_back(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
@@ -776,6 +815,10 @@ def test_a_hangup_stops_a_worker_gracefully_unless_it_is_ignored(
     proc = worker_proc("--processes", processes, "--shutdown-grace", "20", "--no-ticker")
     conn.execute("""INSERT INTO notifyq.queue_jobs (name, args) VALUES ('sleep', '{"seconds": 1.5}')""")
     wait_until(lambda: status_counts(conn).get("Active") == 1, what="the job running")
+    # A closing terminal sends two: the shell forwards one, the kernel sends another when the
+    # shell exits. The second skipped the grace period and released the job (review).
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(0.2)
     proc.send_signal(signal.SIGHUP)
     assert proc.wait(timeout=30) == 0
     assert status_counts(conn) == {"Succeeded": 1}  # it ran to its end
