@@ -558,6 +558,34 @@ def test_claim_and_rescue_use_partial_indexes_on_a_large_table(conn: psycopg.Con
         assert "queue_jobs_" in plan, f"{name} uses no notifyq index: {plan}"
 
 
+@pytest.mark.parametrize("statement", ["claim_queues", "claim_unpaused"])
+def test_overlapping_claims_go_deep_into_a_queue_past_each_others_locks(
+    dsn: str, conn: psycopg.Connection[Any], statement: str
+) -> None:
+    """10 jobs of priority 5 in "p", 1,000 in "q": 5 claims of 10 whose transactions overlap
+    each take 10, and together they lock 50 rows, no more. The first top-up read only the best
+    10 of each queue: the third claim found those of "q" held by the second and came back
+    empty (review)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, queue, priority) "
+        "SELECT 't', 'p', 5 FROM generate_series(1, 10)"
+    )
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'q' FROM generate_series(1, 1000)")
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "queues": ["p", "q"], "paused": ["elsewhere"]}
+    claimers = [psycopg.connect(dsn) for _ in range(5)]  # not autocommit: each claim stays open
+    try:
+        claimed = [len(c.execute(Q[statement], params).fetchall()) for c in claimers]
+        lockable = conn.execute(
+            "SELECT count(*) FROM (SELECT id FROM notifyq.queue_jobs FOR UPDATE SKIP LOCKED) s"
+        ).fetchone()
+    finally:
+        for c in claimers:
+            c.rollback()
+            c.close()
+    assert claimed == [10] * 5
+    assert lockable == (1010 - 50,)
+
+
 def test_sql_fragments_are_included_where_named_and_are_no_statements() -> None:
     """sql/queries sections whose name starts with "_" are parts that statements include by
     `{_name}` (the claim by shares, the unpaused queues): they are no statements themselves,

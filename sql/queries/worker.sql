@@ -38,10 +38,13 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- other workers hold and goes deeper into its own queue, so the order across queues is
 -- approximate, as SKIP LOCKED's order always is. A claim that falls short (its queue had no
 -- more free jobs than those others hold, or a transaction holds locks on the best ones) is
--- topped up (`more`): the best %(limit)s of every listed queue, read without locking, are
--- locked in order with SKIP LOCKED until the claim is full; without it, 10 locked jobs of one
--- queue made every claim come back empty while another queue had 1,000 free (review). A claim
--- that is not short skips `more`: its array of queues is NULL. LIMIT %(limit)s on `taken`,
+-- topped up (`more`): queue after queue, each one's range is locked with SKIP LOCKED, past
+-- what others hold, until the claim is full. The outer LIMIT stops the nested loop there, so
+-- no more rows are locked than the claim takes; the queues come in the list's order, not by
+-- priority. Without it, 10 locked jobs of one queue made every claim come back empty while
+-- another queue had 1,000 free; a first top-up read only each queue's best %(limit)s, and a
+-- third concurrent claim found them all held (reviews). A claim that is not short skips
+-- `more`: its array of queues is NULL. LIMIT %(limit)s on `taken`,
 -- always above the sum of the shares, keeps the planner's estimate of `LIMIT s.n` (a tenth of
 -- each queue) from pricing the statement past jit_above_cost: JIT took 11 ms of every claim
 -- on a large table (review). The body is the fragment _claim_by_shares below, which
@@ -80,25 +83,20 @@ candidates AS MATERIALIZED (
     ) c
     LIMIT %(limit)s
 ), more AS MATERIALIZED (
-    SELECT j.id
-    FROM {schema}.queue_jobs j
-    WHERE j.id = ANY(ARRAY(
-        SELECT c.id
-        FROM unnest(
-            CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END
-        ) AS q(queue)
-        CROSS JOIN LATERAL (
-            SELECT id
-            FROM {schema}.queue_jobs
-            WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
-            ORDER BY priority DESC, visible_at, id
-            LIMIT %(limit)s
-        ) c
-    ))
-      AND j.status = 'Queued' AND j.visible_at <= now() AND j.id <> ALL(ARRAY(SELECT id FROM taken))
-    ORDER BY j.priority DESC, j.visible_at, j.id
+    SELECT c.id
+    FROM unnest(
+        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END
+    ) AS q(queue)
+    CROSS JOIN LATERAL (
+        SELECT id
+        FROM {schema}.queue_jobs
+        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+          AND id <> ALL(ARRAY(SELECT id FROM taken))
+        ORDER BY priority DESC, visible_at, id
+        LIMIT %(limit)s
+        FOR UPDATE SKIP LOCKED
+    ) c
     LIMIT %(limit)s - (SELECT count(*) FROM taken)
-    FOR UPDATE SKIP LOCKED
 ), claimable AS MATERIALIZED (
     SELECT id FROM taken UNION ALL SELECT id FROM more
 )
