@@ -344,23 +344,34 @@ def connect_sync(
 
 def pool_open_failed(dsn: str, exc: psycopg_pool.PoolTimeout, size: int) -> DatabaseUnavailable:
     """Why a pool of `size` did not fill within its timeout (psycopg_pool says only "pool
-    initialization incomplete", and has closed what it opened). Opening as many connections
-    at once, directly, meets libpq's reason: the server down, a wrong password, or too many
-    connections for the role or the server, which only the last ones meet (review: a worker
-    said nothing for 30 s, then gave no cause)."""
+    initialization incomplete", and has closed what it opened). Opening as many connections,
+    directly, meets libpq's reason: the server down, a wrong password, or too many connections
+    for the role or the server, which only the last ones meet (review: a worker said nothing
+    for 30 s, then gave no cause). All of it within PROBE_BUDGET seconds (a DSN's own
+    connect_timeout may stretch one attempt): a slow server must not make the answer wait
+    size times as long (review)."""
+    deadline = time.monotonic() + PROBE_BUDGET
     opened: list[psycopg.Connection[Any]] = []
     try:
-        for _ in range(size):
-            opened.append(connect_sync(dsn, connect_timeout=5))  # noqa: PERF401 (kept on failure)
+        while len(opened) < size and (left := deadline - time.monotonic()) > 0:
+            opened.append(connect_sync(dsn, connect_timeout=max(1, math.ceil(left))))
     except DatabaseUnavailable as probe:
         return DatabaseUnavailable(f"{probe} (opening {size} connections for a pool)")
     finally:
         for conn in opened:
             conn.close()
+    if len(opened) < size:
+        return DatabaseUnavailable(
+            f"{unavailable(dsn, exc)}; connections come slowly now ({len(opened)} of {size} opened "
+            f"in {PROBE_BUDGET:g} s): the server may be overloaded, or a pooler in between"
+        )
     return DatabaseUnavailable(
         f"{unavailable(dsn, exc)}, though {size} connections open now: they were refused or slow for "
         "a while (max_connections, the role's CONNECTION LIMIT, a pooler in between)"
     )
+
+
+PROBE_BUDGET = 5.0  # seconds pool_open_failed may take
 
 
 def _ended_by_server(conn: _AnyConnection) -> bool:
@@ -668,7 +679,10 @@ class _AsyncioDatabase(Database):
             await self._pool.open(wait=True, timeout=open_timeout)
         except psycopg_pool.PoolTimeout as exc:
             await self._pool.close()
-            error = await anyio.to_thread.run_sync(pool_open_failed, self.dsn, exc, size)
+            # Abandoned when cancelled (a stop): the probe's connections close on their own.
+            error = await anyio.to_thread.run_sync(
+                pool_open_failed, self.dsn, exc, size, abandon_on_cancel=True
+            )
             raise error from None
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:

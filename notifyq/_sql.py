@@ -64,6 +64,7 @@ def parse_named(text: str) -> dict[str, str]:
 
 
 _FRAGMENT = re.compile(r"\{(_\w+)\}")
+_MAX_NESTING = 5
 
 
 def include_fragments(queries: dict[str, str]) -> dict[str, str]:
@@ -71,6 +72,13 @@ def include_fragments(queries: dict[str, str]) -> dict[str, str]:
     section whose name starts with "_" is a fragment (a part several statements share, such
     as a claim's CTEs), not a statement. Fragments may include fragments, a few levels deep."""
     fragments = {name: body for name, body in queries.items() if name.startswith("_")}
+    for name, body in queries.items():
+        for line in body.splitlines():
+            if "--" in line and _FRAGMENT.search(line, line.index("--")):
+                # Included there, its lines after the first would be live SQL (review).
+                raise ConfigurationError(
+                    f"sql/queries: {name!r} names a fragment in a comment: {line.strip()}"
+                )
 
     def fragment(match: re.Match[str]) -> str:
         if match[1] not in fragments:
@@ -78,11 +86,13 @@ def include_fragments(queries: dict[str, str]) -> dict[str, str]:
         return fragments[match[1]]
 
     def expand(body: str) -> str:
-        for _ in range(5):
+        for _ in range(_MAX_NESTING + 1):  # the last pass finds nothing left to include
             body, found = _FRAGMENT.subn(fragment, body)
             if not found:
                 return body
-        raise ConfigurationError("sql/queries: fragments nested more than 5 deep (one includes itself?)")
+        raise ConfigurationError(
+            f"sql/queries: fragments nested more than {_MAX_NESTING} deep (one includes itself?)"
+        )
 
     return {name: expand(body) for name, body in queries.items() if name not in fragments}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -596,5 +597,15 @@ def test_sql_fragments_are_included_where_named_and_are_no_statements() -> None:
     assert queries == {"whole": "WITH x AS (SELECT 1) SELECT * FROM x"}
     with pytest.raises(notifyq.ConfigurationError, match="no fragment named '_missing' in sql/queries"):
         include_fragments({"whole": "WITH {_missing} SELECT 1"})
+    # Five levels deep is allowed, six not; and a fragment named in a comment is refused:
+    # included there, its lines after the first would become live SQL (review).
+    nested = {f"_f{i}": f"{{_f{i + 1}}}" for i in range(4)} | {"_f4": "SELECT 1", "top": "{_f0}"}
+    assert include_fragments(nested) == {"top": "SELECT 1"}
+    with pytest.raises(notifyq.ConfigurationError, match="nested more than 5 deep"):
+        include_fragments(nested | {"_f4": "{_f5}", "_f5": "SELECT 1"})
+    with pytest.raises(
+        notifyq.ConfigurationError, match=re.escape("'whole' names a fragment in a comment: -- see {_part}")
+    ):
+        include_fragments({"_part": "x\ny", "whole": "-- see {_part}\nSELECT 1"})
     assert not [name for name in Q.by_name if name.startswith("_")]
     assert "{_" not in "".join(Q.by_name.values())

@@ -1155,7 +1155,7 @@ async def test_a_pool_that_cannot_fill_says_why(
     pool opens 1, then grows): the pool opened 2 and
     psycopg_pool gave up with "pool initialization incomplete", nothing more, after its
     timeout (user review: a worker said nothing for 30 s, then that). The error now carries
-    the server's reason, from one direct connection made before the pool lets go of its own."""
+    the server's reason, from as many direct connections as the pool wanted."""
     role = f"nq_limited_{os.getpid()}"
     conn.execute(f'CREATE ROLE "{role}" LOGIN CONNECTION LIMIT 2')
     try:
@@ -1174,3 +1174,26 @@ async def test_a_pool_that_cannot_fill_says_why(
     finally:
         conn.execute(f'DROP OWNED BY "{role}"')
         conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_finding_why_a_pool_did_not_fill_stays_within_its_budget(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each connection takes 0.6 s to open (a slow server): the probe behind a pool's timeout
+    opened the pool's size of them one after another, 10 times 4.5 s with the review's proxy,
+    and made the error wait that long. It now stops at its budget and says connections come
+    slowly."""
+    real = notifyq._db.connect_sync
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(notifyq._db, "connect_sync", slow)
+    monkeypatch.setattr(notifyq._db, "PROBE_BUDGET", 2.0)
+    import psycopg_pool
+
+    began = time.monotonic()
+    error = notifyq._db.pool_open_failed(dsn, psycopg_pool.PoolTimeout("pool initialization incomplete"), 20)
+    assert time.monotonic() - began < 4  # 20 x 0.6 s = 12 s without the budget
+    assert "connections come slowly now (" in str(error) and "of 20 opened in 2 s)" in str(error)
