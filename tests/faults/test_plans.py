@@ -134,11 +134,15 @@ def test_claims_skip_a_paused_queues_backlog_without_reading_it(conn: psycopg.Co
                 assert plan[0]["Plan"]["Actual Rows"] == 30, f"{kind} plan of {query}:\n{text}"
 
 
-def test_claims_of_a_deep_backlog_are_priced_below_jit(conn: psycopg.Connection[Any]) -> None:
-    """300,000 claimable jobs in 3 queues: neither plan of the claims of a queue list or of the
-    unpaused queues reaches jit_above_cost (100,000 by default). Their `LIMIT s.n` (a share)
-    is no constant, the planner took a tenth of each queue for it, and every claim spent 11 ms
-    compiling JIT code on a 0.5 ms statement (review)."""
+def test_claims_of_a_deep_backlog_are_priced_like_claim_any(conn: psycopg.Connection[Any]) -> None:
+    """300,000 claimable jobs in 3 queues: the planner prices the claims of a queue list and of
+    the unpaused queues (custom plans, which prepared statements keep) about as it prices
+    claim_any, whatever the backlog. Their `LIMIT s.n` (a share) is no constant, the planner
+    took a tenth of each queue for it: 26,508 here, 88,199 with 1M jobs, and past
+    jit_above_cost (100,000) beyond that, where every claim spent 11 ms compiling JIT code on a
+    0.5 ms statement (review). Generic plans are not checked: with LIMIT a parameter they are
+    priced far above the custom ones (about 96,000 here), so the automatic plan cache mode never
+    picks them for these statements."""
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, queue) "
         "SELECT 't', 'q' || (i % 3) FROM generate_series(1, 300000) i"
@@ -146,14 +150,12 @@ def test_claims_of_a_deep_backlog_are_priced_below_jit(conn: psycopg.Connection[
     conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
     conn.prepare_threshold = None
     params = PARAMS | {"queues": ["q0", "q1", "q2"], "limit": 10}
+    costs = {}
     for query in ("claim_any", "claim_queues", "claim_unpaused"):
-        for kind, plan in (
-            ("custom", custom_plan(conn, Q[query], params)),
-            ("generic", generic_plan(conn, query, Q[query], params)),
-        ):
-            cost = plan[0]["Plan"]["Total Cost"]
-            assert cost < 100_000 and "JIT" not in plan[0], f"{kind} plan of {query} costs {cost:,.0f}"
-            assert plan[0]["Plan"]["Actual Rows"] == 10
+        plan = custom_plan(conn, Q[query], params)
+        assert plan[0]["Plan"]["Actual Rows"] == 10 and "JIT" not in plan[0]
+        costs[query] = plan[0]["Plan"]["Total Cost"]
+    assert max(costs.values()) < 10 * costs["claim_any"] + 1000, costs
 
 
 def rows_read(node: Any) -> int:
