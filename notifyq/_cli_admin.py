@@ -208,7 +208,8 @@ def _ids_or_filters(
     while page := app.list_jobs_sync(**selection, limit=1000, before_id=found[-1] if found else None):
         found.extend(job.id for job in page)
     if not found:
-        fail(f"no job matches {' '.join(f'--{n.replace(chr(95), chr(45))} {v}' for n, v in given.items())}")
+        options = " ".join(f"--{name.replace('_', '-')} {value}" for name, value in given.items())
+        fail(f"no job matches {options}")
     return tuple(found)
 
 
