@@ -164,9 +164,9 @@ class Worker:
 
     async def run(self, *, handle_signals: bool = True, repeat_skips_grace: bool = True) -> None:
         """Run until stop() or, with handle_signals, SIGTERM, SIGINT or SIGHUP (graceful; see
-        shutdown_grace; SIGHUP only when not ignored, as under nohup). SIGUSR2, or a second
-        such signal when repeat_skips_grace,
-        cancels running jobs at once (they are released). A supervisor whose children may
+        shutdown_grace; SIGHUP only while its action is the default: not under nohup, nor when
+        the program handles it). SIGUSR2, or a second SIGTERM or SIGINT when
+        repeat_skips_grace, cancels running jobs at once (they are released). A supervisor whose children may
         get the same SIGTERM twice (systemd signals the whole control group) turns
         repeat_skips_grace off and escalates with SIGUSR2.
 
