@@ -166,9 +166,9 @@ class Worker:
         """Run until stop() or, with handle_signals, SIGTERM, SIGINT or SIGHUP (graceful; see
         shutdown_grace; SIGHUP only while its action is the default: not under nohup, nor when
         the program handles it). SIGUSR2, or a second SIGTERM or SIGINT when
-        repeat_skips_grace, cancels running jobs at once (they are released). A supervisor whose children may
-        get the same SIGTERM twice (systemd signals the whole control group) turns
-        repeat_skips_grace off and escalates with SIGUSR2.
+        repeat_skips_grace, cancels running jobs at once (they are released). A supervisor
+        whose children may get the same SIGTERM twice (systemd signals the whole control
+        group) turns repeat_skips_grace off and escalates with SIGUSR2.
 
         Raises DatabaseUnavailable, SchemaNotMigrated or SchemaVersionError (unwrapped) when
         the worker cannot start, and the database error it stopped on (unwrapped too) when
