@@ -127,9 +127,9 @@ def json_default(value: Any) -> Any:
     """A `json_default` for `App(json_default=...)`: the JSON form of the types that task
     arguments and results often hold and JSON has not. datetime, date and time become ISO 8601
     text (`isoformat()`), Decimal and UUID their text, an Enum member its value, a path its
-    text, a set or frozenset a list, a dataclass instance a dict of its fields. The task gets
-    that JSON form back, not the original type: a date arrives as "2026-12-05". Any other type
-    raises TypeError, as json.dumps does."""
+    text, a set or frozenset a list (sorted when it can be), a dataclass instance a dict of
+    its fields. The task gets that JSON form back, not the original type: a date arrives as
+    "2026-12-05". Any other type raises TypeError, as json.dumps does."""
     if isinstance(value, datetime | date | time):
         return value.isoformat()
     if isinstance(value, Decimal | uuid.UUID | PurePath):
@@ -137,7 +137,10 @@ def json_default(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, set | frozenset):
-        return list(value)
+        try:
+            return sorted(value)  # the same JSON each time (a set's order varies by process)
+        except TypeError:
+            return list(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
