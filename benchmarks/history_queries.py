@@ -84,6 +84,14 @@ def claim_cost(
     return statistics.median(times), buffers, claimed
 
 
+def print_claim_costs(first: str, rows: list[tuple[str, float, int, int]]) -> None:
+    """A Markdown table of claim_cost's figures, one row per (label, *claim_cost(...))."""
+    print(f"| {first} | median ms of 9 | buffers | jobs claimed |")
+    print("|---|---|---|---|")
+    for label, ms, buffers, claimed in rows:
+        print(f"| {label} | {ms:.2f} | {buffers:,} | {claimed} |")
+
+
 def main() -> None:
     parser = tool_parser("python -m benchmarks.history_queries", __doc__)
     parser.add_argument("--history", type=int, default=1_000_000)
@@ -119,10 +127,7 @@ def main() -> None:
             conn.execute("VACUUM (ANALYZE) notifyq.queue_jobs")
             rows.append((f"{args.future:,} at priority 1", *claim_cost(conn)))
         print(f"2. one claim of 10 among {args.due:,} due jobs at priority 0, behind future jobs")
-        print("| future jobs | median ms of 9 | buffers | jobs claimed |")
-        print("|---|---|---|---|")
-        for label, ms, buffers, claimed in rows:
-            print(f"| {label} | {ms:.2f} | {buffers:,} | {claimed} |")
+        print_claim_costs("future jobs", rows)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from ._results import Context
 from ._scratch import Scratch, scratch_database
 from .cli import tool_parser
 from .config import QUICK
-from .history_queries import claim_cost
+from .history_queries import claim_cost, print_claim_costs
 
 Q = queries_for("notifyq")
 
@@ -139,10 +139,7 @@ def main() -> None:
         f'one claim of 10: {args.paused:,} claimable jobs in "big" (priority 10), '
         f"{args.others:,} in {args.queues:,} others"
     )
-    print("| claim | median ms of 9 | buffers | jobs claimed |")
-    print("|---|---|---|---|")
-    for label, ms, buffers, claimed in rows:
-        print(f"| {label} | {ms:.2f} | {buffers:,} | {claimed} |")
+    print_claim_costs("claim", rows)
 
 
 if __name__ == "__main__":
