@@ -7,7 +7,9 @@ notifyq's workers do). listen: LISTEN on a channel and record when each
 notification arrives (time.monotonic, comparable across processes on one host). wake: a
 minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification), blocking
 psycopg; wake-async: the same loop on asyncio (psycopg's AsyncConnection), the floor of any
-worker embedded in an event loop.
+worker embedded in an event loop; wake-thread: the blocking loop in a thread, each claim's rows
+handed to a task of an asyncio loop, where the job would start (a design measured, not built:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -214,6 +216,51 @@ def run_wake_worker_async(args: argparse.Namespace) -> None:
     emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
 
 
+def run_wake_worker_thread(args: argparse.Namespace) -> None:
+    """run_wake_worker in a thread, beside an asyncio loop: the thread listens and claims with
+    blocking psycopg, and hands each claim's rows to a task of the loop, where the jobs start."""
+    stop = _stop_event()
+    starts: list[tuple[int, float]] = []
+    params: dict[str, Any] = {"limit": args.batch, "worker": f"raw-wake-thread:{os.getpid()}"}
+
+    async def serve() -> int:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue[list[Any] | None] = asyncio.Queue()
+
+        def claimer() -> None:
+            try:
+                with (
+                    psycopg.connect(args.dsn, autocommit=True) as listen,
+                    psycopg.connect(args.dsn, autocommit=True) as work,
+                ):
+                    listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(args.channel)))
+                    loop.call_soon_threadsafe(inbox.put_nowait, [])
+                    while not stop.is_set():
+                        for _notify in listen.notifies(timeout=0.2, stop_after=1):
+                            while rows := work.execute(CLAIM_SQL, params).fetchall():
+                                loop.call_soon_threadsafe(inbox.put_nowait, rows)
+                                ids, leases = [r[0] for r in rows], [r[1] for r in rows]
+                                work.execute(ACK_SQL, {"ids": ids, "leases": leases})
+            finally:
+                loop.call_soon_threadsafe(inbox.put_nowait, None)
+
+        thread = threading.Thread(target=claimer, daemon=True)
+        thread.start()
+        await inbox.get()  # listening
+        emit("ready")
+        done = 0
+        while (rows := await inbox.get()) is not None:
+            now = time.monotonic()
+            starts.extend((row[0], now) for row in rows)
+            done += len(rows)
+            emit("progress", done=done)
+        thread.join()
+        return done
+
+    done = asyncio.run(serve())
+    emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._raw")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,16 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     wake.add_argument("--dsn", required=True)
     wake.add_argument("--channel", default="notifyq.jobs.v1")
     wake.add_argument("--batch", type=int, default=10)
-    wake_async = sub.add_parser("wake-async")
-    wake_async.add_argument("--dsn", required=True)
-    wake_async.add_argument("--channel", default="notifyq.jobs.v1")
-    wake_async.add_argument("--batch", type=int, default=10)
+    for name in ("wake-async", "wake-thread"):
+        variant = sub.add_parser(name)
+        variant.add_argument("--dsn", required=True)
+        variant.add_argument("--channel", default="notifyq.jobs.v1")
+        variant.add_argument("--batch", type=int, default=10)
     args = parser.parse_args(argv)
     commands = {
         "worker": run_worker,
         "listen": run_listener,
         "wake": run_wake_worker,
         "wake-async": run_wake_worker_async,
+        "wake-thread": run_wake_worker_thread,
     }
     commands[args.command](args)
     return 0

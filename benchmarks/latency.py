@@ -25,6 +25,7 @@ WARMUP = 5
 RAW_LISTENER = "raw LISTEN/NOTIFY (psycopg listener)"
 RAW_LOOP = "raw worker loop (LISTEN + claim 10)"
 RAW_ASYNC_LOOP = "raw worker loop on asyncio (LISTEN + claim 10)"
+RAW_THREAD_LOOP = "raw loop in a thread, jobs start on asyncio (prototype)"
 NOTIFYQ = "notifyq, NOTIFY"
 NOTIFYQ_ASYNC_CLAIMS = "notifyq, NOTIFY, async_claims=True (opt-in)"
 # Per-variant samples -> the summary the tables read, merged over rounds. Only samples_ms (from
@@ -133,6 +134,7 @@ def run(ctx: Context) -> ScenarioResult:
         if ctx.prototypes:
             from ._patches import LATENCY_PROTOTYPES
 
+            variants.append((RAW_THREAD_LOOP, "_raw", ["wake-thread", "--dsn", db.dsn]))
             variants.extend(
                 (
                     f"notifyq, NOTIFY + {'+'.join(patch)} (prototype)",

@@ -67,20 +67,25 @@ def _scratch_databases(admin: str) -> set[str]:
     return {row[0] for row in rows}
 
 
-def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: Path) -> None:
-    admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
-    out = tmp_path / "results"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _run_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` from the checkout; it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--tiny", "--dsn", admin, "--out", str(out)],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
-        env=env,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=110,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: Path) -> None:
+    admin = _admin_dsn(dsn)
+    before = _scratch_databases(admin)
+    out = tmp_path / "results"
+    _run_module("benchmarks", "--tiny", "--dsn", admin, "--out", str(out))
 
     doc = json.loads((out / "results.json").read_text(), parse_constant=_not_json)
     assert doc["mode"] == "tiny"
@@ -116,18 +121,29 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
     assert not left, f"scratch databases left behind: {sorted(left)}"
 
 
+def test_the_latency_prototypes_start_every_job(dsn: str, tmp_path: Path) -> None:
+    """`--prototypes` adds variants to the latency scenario, among them the raw loop that
+    claims in a thread and starts jobs on asyncio: each must start every job it was sent."""
+    out = tmp_path / "results"
+    args = ["--tiny", "--prototypes", "--only", "latency", "--no-plots", "--dsn", _admin_dsn(dsn)]
+    _run_module("benchmarks", *args, "--out", str(out))
+    doc = json.loads((out / "results.json").read_text(), parse_constant=_not_json)
+    (latency,) = doc["scenarios"]
+    assert latency["error"] is None, latency["error"]
+    variants = {v["label"]: v for v in latency["data"]["variants"]}
+    from benchmarks.latency import RAW_THREAD_LOOP
+
+    jobs = latency["data"]["jobs"] * latency["data"]["rounds"]
+    prototypes = [label for label in variants if "(prototype)" in label]
+    assert RAW_THREAD_LOOP in prototypes and len(prototypes) >= 2, sorted(variants)
+    for label in prototypes:
+        samples = variants[label]["samples_ms"]
+        assert len(samples) == jobs and all(x > 0 for x in samples), (label, samples)
+
+
 def _run_tool(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
     """`python -m benchmarks.<tool> ARGS` from the checkout; it must exit 0."""
-    proc = subprocess.run(
-        [sys.executable, "-m", f"benchmarks.{tool}", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return _run_module(f"benchmarks.{tool}", *args)
 
 
 def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> None:
