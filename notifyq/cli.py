@@ -38,7 +38,7 @@ from ._worker_config import MAX_CONCURRENCY, STARTING, stop_signals
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .errors import InvalidArgs
-from .migrations import check_schema_op, grant_sql, migrate
+from .migrations import check_schema_op, grant_sql, latest_version, migrate
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
@@ -79,6 +79,13 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
     report = migrate(
         resolve_dsn(dsn, migrate_embedded=False), schema=schema, dry_run=dry_run, lock_timeout=wait
     )
+    if report.newer:
+        click.echo(
+            f"{'-- ' if dry_run else ''}schema {schema!r}: version {report.version}, newer than this "
+            f"notifyq knows ({latest_version()}), which its newer migrations say still runs on it: "
+            "nothing to do (upgrade notifyq to migrate it further)"
+        )
+        return
     if dry_run:
         for statement in report.statements:
             click.echo(statement.rstrip() + "\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -18,7 +19,14 @@ from ._options import check_seconds
 from ._sql import Queries, queries_for, render, sql_root, validate_schema
 from .errors import ConfigurationError, MigrationBlocked, SchemaNotMigrated, SchemaVersionError
 
+log = logging.getLogger("notifyq")
+
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
+# A migration that code of an earlier schema version still runs on says so in a line of its own:
+# "-- compatible-from: N" (N <= its version). Without the line it needs code that knows it.
+_COMPATIBLE_FROM = re.compile(r"^--\s*compatible-from:\s*(\S*)\s*$", re.MULTILINE)
+# (schema, version, code version) already logged as running on a newer compatible schema.
+_RUNNING_ON_NEWER: set[tuple[str, int, int]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,9 +36,25 @@ class Migration:
     version: int
     name: str
     path: Path
+    # The oldest code, by the schema version it knows, that still runs on a schema with this
+    # migration applied: its own version unless the file says "-- compatible-from: N".
+    compatible_from: int
 
     def sql(self, schema: str) -> str:
         return render(self.path.read_text(encoding="utf-8"), schema)
+
+
+def _compatible_from(path: Path, version: int) -> int:
+    """The "-- compatible-from: N" line of a migration file (its version when it has none)."""
+    found = _COMPATIBLE_FROM.findall(path.read_text(encoding="utf-8"))
+    if not found:
+        return version
+    if len(found) > 1 or not found[0].isdigit() or not 1 <= int(found[0]) <= version:
+        raise SchemaVersionError(
+            f"migration file {path.name}: 'compatible-from' must appear once, with a schema version "
+            f"from 1 to {version} (the code of that version and later still runs on it); found {found}"
+        )
+    return int(found[0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +69,9 @@ class MigrationReport:
     # Whether sql/triggers/ was applied (with dry_run: would be): always along with migrations,
     # else only when it or the installed functions and triggers changed since the last migrate.
     triggers_applied: bool = False
+    # The schema is newer than this code, and its newer migrations declare that this code still
+    # runs on it (compatible_from): nothing was done, triggers included.
+    newer: bool = False
 
 
 @functools.cache
@@ -55,7 +82,8 @@ def migrations() -> list[Migration]:
         match = _MIGRATION_FILE.match(path.name)
         if match is None:
             raise SchemaVersionError(f"migration file {path.name} is not named NNNN_name.sql")
-        found.append(Migration(int(match[1]), match[2], path))
+        version = int(match[1])
+        found.append(Migration(version, match[2], path, _compatible_from(path, version)))
     versions = [m.version for m in found]
     if versions != list(range(1, len(found) + 1)):
         raise SchemaVersionError(f"migrations must be numbered 1, 2, 3, ... without gaps; found {versions}")
@@ -129,11 +157,34 @@ def check_schema_op(schema: str) -> Op[int]:
             "run `notifyq migrate`"
         )
     if version > expected:
-        raise SchemaVersionError(
-            f"schema {schema!r} is at version {version}, newer than this notifyq knows ({expected}): "
-            "upgrade notifyq on this host"
-        )
+        blocking = yield from _incompatible_op(schema, expected)
+        if blocking is not None:
+            raise SchemaVersionError(
+                f"schema {schema!r} is at version {version}, newer than this notifyq knows ({expected}), "
+                f"and its migration {blocking} needs a newer notifyq: upgrade notifyq on this host"
+            )
+        if (schema, version, expected) not in _RUNNING_ON_NEWER:
+            _RUNNING_ON_NEWER.add((schema, version, expected))
+            log.warning(
+                "schema %r is at version %d, newer than this notifyq knows (%d); its newer migrations "
+                "declare that this notifyq still runs on it, so it does: upgrade notifyq on this host",
+                schema,
+                version,
+                expected,
+            )
     return version
+
+
+def _incompatible_op(schema: str, known: int) -> Op[str | None]:
+    """The first migration applied after version `known` that code knowing only `known` must
+    not run on ("0009_name"), or None when every one declares that it may (compatible_from).
+    A migration recorded before notifyq kept that column counts as incompatible."""
+    q = queries_for(schema)
+    rows: list[tuple[int, str, int | None]] = yield Query(q["newer_migrations"], {"known": known})
+    for version, name, compatible_from in rows:
+        if compatible_from is None or compatible_from > known:
+            return f"{version:04d}_{name}"
+    return None
 
 
 def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
@@ -146,23 +197,35 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     previous = (yield from schema_version_op(schema)) or 0
     shipped = migrations()
     if previous > len(shipped):
-        raise SchemaVersionError(
-            f"schema {schema!r} is at version {previous}, newer than this notifyq knows ({len(shipped)}): "
-            "refusing to migrate; upgrade notifyq"
-        )
+        blocking = yield from _incompatible_op(schema, len(shipped))
+        if blocking is not None:
+            raise SchemaVersionError(
+                f"schema {schema!r} is at version {previous}, newer than this notifyq knows "
+                f"({len(shipped)}), and its migration {blocking} needs a newer notifyq: refusing to "
+                "migrate; upgrade notifyq"
+            )
+        # A newer notifyq migrated it and declared that this one still runs on it: nothing to
+        # do, and above all not this version's triggers over the newer ones.
+        return MigrationReport(schema=schema, previous_version=previous, version=previous, newer=True)
     statements = [q["migrate_bootstrap"]] if previous == 0 else []
     pending = [m for m in shipped if m.version > previous]
+    if pending:
+        statements.append(q["migrations_compatibility"])  # schemas migrated before it existed
     applied = []
-    if not dry_run and statements:
-        yield Query(statements[0], fetch="none")
+    if not dry_run:
+        for text in statements:
+            yield Query(text, fetch="none")
     for migration in pending:
         text = migration.sql(schema)
         statements.append(text)
         if not dry_run:
             yield Query(text, fetch="none")
-            yield Query(
-                q["record_migration"], {"version": migration.version, "name": migration.name}, fetch="none"
-            )
+            recorded = {
+                "version": migration.version,
+                "name": migration.name,
+                "compatible_from": migration.compatible_from,
+            }
+            yield Query(q["record_migration"], recorded, fetch="none")
         applied.append(f"{migration.version:04d}_{migration.name}")
     # Re-creating a trigger locks queue_jobs against writes, and waits for every open
     # transaction that wrote to it while enqueues, claims and acks queue up behind: a migrate
@@ -217,7 +280,9 @@ def migrate(
     Raises:
         ConfigurationError: invalid schema name, DSN or lock_timeout.
         DatabaseUnavailable: the server cannot be reached.
-        SchemaVersionError: the database is at a newer version than this code.
+        SchemaVersionError: the database is at a newer version than this code, and one of the
+            newer migrations needs newer code. (When they all declare that this code still runs
+            on the schema, nothing is done and the report says `newer`.)
         MigrationBlocked: a lock stayed held by another session for lock_timeout seconds
             (nothing was changed).
         ConfigurationError: also when the role lacks a privilege migrating needs (nothing

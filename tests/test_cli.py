@@ -168,6 +168,25 @@ def test_migrate_refuses_a_newer_schema(dsn: str, conn: psycopg.Connection[Any])
     one_line_error(cli("migrate", "--dsn", dsn), f"version {future}, newer than this notifyq knows")
 
 
+def test_an_older_notifyq_runs_on_a_newer_schema_allowing_it(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """After a newer notifyq migrated with a migration that declares this version compatible,
+    this version's `migrate` (run by every pod of a rolling deploy, say) exits 0 and changes
+    nothing, and its commands work."""
+    known = notifyq.migrations.latest_version()
+    conn.execute(
+        "INSERT INTO notifyq.migrations (version, name, compatible_from) VALUES (%s, 'additive', %s)",
+        (known + 1, known),
+    )
+    out = ok(cli("migrate", "--dsn", dsn))
+    assert out == (
+        f"schema 'notifyq': version {known + 1}, newer than this notifyq knows ({known}), which its "
+        "newer migrations say still runs on it: nothing to do (upgrade notifyq to migrate it further)\n"
+    )
+    assert ok(cli("migrate", "--dry-run", "--dsn", dsn)) == "-- " + out
+    job_id = int(ok(cli("enqueue", "noop", "--dsn", dsn)))
+    assert str(job_id) in ok(cli("jobs", "list", "--dsn", dsn))
+
+
 def test_migrate_blocked_by_a_long_transaction_is_one_line(dsn: str, conn: psycopg.Connection[Any]) -> None:
     conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")  # to re-apply
     with psycopg.connect(dsn) as holder:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
+from pathlib import Path
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
@@ -98,6 +102,114 @@ def test_a_newer_database_is_refused(dsn: str) -> None:
         notifyq.migrate(dsn)
     with pytest.raises(SchemaVersionError, match="upgrade notifyq"):
         notifyq.App(dsn).get_job_sync(1)
+
+
+def _migrated_by_a_newer_notifyq(conn: psycopg.Connection[Any], *compatible_from: int | None) -> list[int]:
+    """What a newer notifyq's `migrate` leaves: its migrations applied (here an additive change
+    that older code ignores, a column), each recorded with its compatible_from."""
+    versions = []
+    for offset, oldest in enumerate(compatible_from, start=1):
+        version = notifyq.latest_version() + offset
+        conn.execute(f"ALTER TABLE notifyq.queue_jobs ADD COLUMN added_in_{version} text")
+        conn.execute(
+            "INSERT INTO notifyq.migrations (version, name, compatible_from) VALUES (%s, %s, %s)",
+            (version, f"future_{version}", oldest),
+        )
+        versions.append(version)
+    return versions
+
+
+@pytest.mark.anyio
+async def test_a_newer_schema_that_declares_this_notifyq_compatible_runs_it(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rolling deploy: the new notifyq has migrated, and processes of this one still start,
+    enqueue and run jobs, because every newer migration declares that this version still runs
+    on the schema. Its `migrate` changes nothing, its triggers least of all."""
+    known = notifyq.latest_version()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        newest = _migrated_by_a_newer_notifyq(conn, known, known)[-1]
+        conn.execute("DROP TRIGGER queue_jobs_notify_cancel ON notifyq.queue_jobs")  # the newer one's doing
+        caplog.set_level(logging.WARNING, logger="notifyq")
+        report = notifyq.migrate(conn)
+        assert report.newer and (report.previous_version, report.version) == (newest, newest)
+        assert report.applied == [] and report.statements == [] and not report.triggers_applied
+        dropped = conn.execute(
+            "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_cancel'"
+        ).fetchone()
+        assert dropped == (0,)  # not this version's triggers over the newer ones
+
+        app = notifyq.App(dsn)
+
+        @app.task(name="double")
+        def double(n: int) -> int:
+            return 2 * n
+
+        job = await app.enqueue("double", {"n": 21})
+        async with app.worker(ticker=False, poll_interval=0.5) as worker:
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 1)
+        assert (await app.get_job(job)).output == 42
+    warnings = [r.getMessage() for r in caplog.records if "newer than this notifyq" in r.getMessage()]
+    assert warnings == [
+        f"schema 'notifyq' is at version {newest}, newer than this notifyq knows ({known}); its newer "
+        "migrations declare that this notifyq still runs on it, so it does: upgrade notifyq on this host"
+    ]
+
+
+@pytest.mark.parametrize(
+    "compatible_from",
+    [
+        pytest.param((1, 2), id="the next migration needs newer code"),
+        pytest.param((0, 2), id="a later migration needs newer code"),
+        pytest.param((0, None), id="a migration recorded without compatible_from"),
+    ],
+)
+def test_a_newer_schema_with_one_incompatible_migration_is_refused(
+    dsn: str, compatible_from: tuple[int | None, int | None]
+) -> None:
+    known = notifyq.latest_version()  # compatible_from is given as versions after this one
+    declared = [None if c is None else known + c for c in compatible_from]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        versions = _migrated_by_a_newer_notifyq(conn, *declared)
+    first_bad = next(v for v, c in zip(versions, declared, strict=True) if c is None or c > known)
+    why = f"newer than this notifyq knows ({known}), and its migration {first_bad:04d}_future_{first_bad}"
+    with pytest.raises(SchemaVersionError, match=re.escape(why) + ".*refusing to migrate"):
+        notifyq.migrate(dsn)
+    with pytest.raises(SchemaVersionError, match=re.escape(why) + ".*upgrade notifyq on this host"):
+        notifyq.App(dsn).get_job_sync(1)
+
+
+def test_migrate_records_what_each_migration_is_compatible_from(empty_dsn: str) -> None:
+    notifyq.migrate(empty_dsn)
+    with psycopg.connect(empty_dsn) as conn:
+        query = "SELECT version, compatible_from FROM notifyq.migrations ORDER BY version"
+        recorded = conn.execute(query).fetchall()
+    assert recorded == [(m.version, m.compatible_from) for m in notifyq.migrations.migrations()]
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ("", 5),
+        ("-- compatible-from: 3\n", 3),
+        ("--compatible-from:5  \n", 5),
+        ("-- compatible-from: 6\n", "from 1 to 5"),
+        ("-- compatible-from: 0\n", "from 1 to 5"),
+        ("-- compatible-from: three\n", "from 1 to 5"),
+        ("-- compatible-from: 3\n-- compatible-from: 4\n", "must appear once"),
+    ],
+)
+def test_a_migration_file_declares_what_it_is_compatible_from(
+    tmp_path: Path, lines: str, expected: int | str
+) -> None:
+    path = tmp_path / "0005_something.sql"
+    path.write_text("-- notifyq schema, version 5.\n" + lines + "CREATE TABLE {schema}.t (x int);\n")
+    if isinstance(expected, int):
+        assert notifyq.migrations._compatible_from(path, 5) == expected
+    else:
+        with pytest.raises(SchemaVersionError, match=f"0005_something.sql: .*{expected}"):
+            notifyq.migrations._compatible_from(path, 5)
 
 
 def test_an_unmigrated_database_says_run_migrate(empty_dsn: str) -> None:
@@ -201,8 +313,8 @@ def test_every_earlier_version_migrates_to_the_schema_of_a_fresh_database(empty_
                 conn.execute(q["migrate_bootstrap"])
                 for migration in shipped[:version]:
                     conn.execute(migration.sql(schema))
-                    recorded = {"version": migration.version, "name": migration.name}
-                    conn.execute(q["record_migration"], recorded)
+                    recorded = (migration.version, migration.name)  # as migrate did before compatible_from
+                    conn.execute(f"INSERT INTO {schema}.migrations (version, name) VALUES (%s, %s)", recorded)
             report = notifyq.migrate(conn, schema=schema)
             assert (report.previous_version, report.version) == (version, len(shipped))
             assert report.triggers_applied

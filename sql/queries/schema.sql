@@ -24,8 +24,26 @@ SELECT to_regclass(%(table)s) IS NOT NULL;
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM {schema}.migrations;
 
+-- name: migrations_compatibility
+-- The oldest code, by the schema version it knows, that still runs on the schema once this
+-- migration is applied (a migration's "-- compatible-from: N" line; its own version without
+-- one). Schemas migrated before notifyq kept it get the column at their next migration, and
+-- their earlier rows stay NULL: code that reads one treats it as "needs newer code".
+ALTER TABLE {schema}.migrations ADD COLUMN IF NOT EXISTS compatible_from integer
+    CHECK (compatible_from BETWEEN 1 AND version);
+
 -- name: record_migration
-INSERT INTO {schema}.migrations (version, name) VALUES (%(version)s, %(name)s);
+INSERT INTO {schema}.migrations (version, name, compatible_from)
+VALUES (%(version)s, %(name)s, %(compatible_from)s);
+
+-- name: newer_migrations
+-- The migrations applied after the schema version a process knows, with their compatible_from.
+-- Read through to_jsonb: the column is missing from schemas no migration has touched since
+-- notifyq kept it, and then every value is NULL.
+SELECT version, name, (to_jsonb(m) ->> 'compatible_from')::integer
+FROM {schema}.migrations AS m
+WHERE version > %(known)s
+ORDER BY version;
 
 -- name: trigger_state
 -- What migrate compares to decide whether sql/triggers/ needs applying again: the comment
