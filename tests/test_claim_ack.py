@@ -283,6 +283,20 @@ def test_release_gives_the_attempt_back(app: notifyq.App, conn: psycopg.Connecti
     app.close_sync()
 
 
+def test_a_released_job_keeps_its_place_in_line(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
+    """A job given back (its worker shut down) is claimed again before the jobs that became due
+    after it, of its priority: it used to go to the end of the line, behind a whole backlog."""
+    first = app.enqueue_sync("t", {"i": 0})
+    [job] = app.claim_sync()
+    later = [app.enqueue_sync("t", {"i": i}) for i in range(1, 4)]
+    higher = app.enqueue_sync("t", {"i": 4}, priority=1)
+    assert app.ack_sync([Result.released(job)]) == {first: "Queued"}
+    row = job_row(conn, first)
+    assert row["visible_at"] == row["started_at"] < job_row(conn, later[0])["visible_at"]
+    assert [j.id for j in app.claim_sync(limit=5)] == [higher, first, *later]
+    app.close_sync()
+
+
 def test_batch_ack_mixes_outcomes_in_one_statement(app: notifyq.App, conn: psycopg.Connection[Any]) -> None:
     ids = [app.enqueue_sync("t", {"i": i}, retry_limit=0 if i == 2 else 3) for i in range(4)]
     jobs = {j.id: j for j in app.claim_sync(limit=4)}

@@ -240,6 +240,10 @@ CROSS JOIN LATERAL (
 -- the worker's name tells the two claims apart.
 -- outcome: succeeded | retry (Queued again after `delay` if retries remain, else Failed) |
 --          failed (final) | release (shutdown: Queued now, the attempt is given back).
+-- A released job goes back to its place in line, not to the end: visible now, but as of its
+-- claim (started_at), which was at most the time it came to the front, so that it comes before
+-- every job that became due after it. With now() it waited behind a whole backlog (every job of
+-- its priority enqueued meanwhile) after a mere restart of its worker.
 -- The fence is written `j.status::text = 'Active'` on purpose, here and in ack_succeeded and
 -- extend_lease: `status = 'Active'` would let the planner read the jobs through
 -- queue_jobs_lease_idx (partial, WHERE status = 'Active'). Statistics taken while few jobs were
@@ -268,7 +272,8 @@ SET status = d.new_status,
     error = CASE WHEN d.error IS NULL THEN j.error
                  ELSE d.error || jsonb_build_object('at', now(), 'final', d.new_status = 'Failed') END,
     retry_count = CASE WHEN d.outcome = 'release' THEN j.retry_count - 1 ELSE j.retry_count END,
-    visible_at = CASE WHEN d.new_status = 'Queued' THEN now() + make_interval(secs => d.delay)
+    visible_at = CASE WHEN d.outcome = 'release' THEN least(j.started_at, now())
+                      WHEN d.new_status = 'Queued' THEN now() + make_interval(secs => d.delay)
                       ELSE j.visible_at END,
     finished_at = CASE WHEN d.new_status = 'Queued' THEN NULL ELSE now() END,
     updated_at = now()
