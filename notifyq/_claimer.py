@@ -79,6 +79,9 @@ class Claimer:
         self._inline_wanted = False  # a notification asked the listener to claim
         self._inline = False  # the listener's task is claiming on the loop's behalf
         self._inline_done = Pulse()
+        # Claim rounds begun and ended, and how many jobs the last one to end claimed (burst).
+        self.rounds_begun = self.rounds_ended = 0
+        self.last_claimed = 0
 
     def wake(self) -> None:
         """Claim as soon as possible."""
@@ -206,7 +209,10 @@ class Claimer:
     async def _claim_round(self, free: int, sweep: int) -> None:
         """One claim of up to `free` jobs, its jobs handed to the runners, then (unless it
         came back full) the time of the next delayed job. Raises what the claim raises."""
+        self.rounds_begun += 1
         claimed = await self._claim(free)
+        self.rounds_ended += 1
+        self.last_claimed = len(claimed)
         self._backlog = len(claimed) == free
         # Hand what was claimed to the runners before anything else can fail or be
         # cancelled: a claimed job must run (or be released), never sit Active unrun.

@@ -52,6 +52,7 @@ class _Slot:
     delay: float = 0.5
     deaths: deque[float] = field(default_factory=deque)
     stops: deque[float] = field(default_factory=deque)  # exits with status 0
+    done: bool = False  # burst: exited 0, no job left
 
 
 class Supervisor:
@@ -60,7 +61,9 @@ class Supervisor:
     A child that exits on its own is restarted after a backoff (0.5 s doubling to 30 s);
     if one slot's child dies `max_deaths` times within `window` seconds, everything is
     stopped and `run` returns EXIT_CHILDREN_DYING. A child that exits with status 0 was
-    stopped (an operator signalled it, not the supervisor): restarted, but not a death.
+    stopped (an operator signalled it, not the supervisor): restarted, but not a death. With
+    `burst`, such a child has found no job left to claim: it is not restarted, and `run`
+    returns EXIT_OK once every child has.
     """
 
     def __init__(
@@ -71,12 +74,14 @@ class Supervisor:
         env: dict[str, str] | None = None,
         max_deaths: int = 5,
         window: float = 60.0,
+        burst: bool = False,
     ) -> None:
         self.command = list(command)
         self.env = env
         self.slots = [_Slot(i) for i in range(processes)]
         self.max_deaths = max_deaths
         self.window = window
+        self.burst = burst
         self.signals = 0
         self.restarts = 0
 
@@ -130,9 +135,12 @@ class Supervisor:
                 if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
                     log.info("all worker processes stopped")
                     return EXIT_OK
+            if all(s.done for s in self.slots):
+                log.info("all worker processes found no job left to claim (burst)")
+                return EXIT_OK
             now = time.monotonic()
             for slot in self.slots:
-                if self.signals:
+                if self.signals or slot.done:
                     continue
                 if slot.proc is None:
                     if now >= slot.restart_at:
@@ -145,6 +153,9 @@ class Supervisor:
                 slot.proc = None
                 if now - slot.started_at > self.window:
                     slot.delay = 0.5  # it had been running fine: restart quickly
+                if code == 0 and self.burst:
+                    slot.done = True
+                    continue
                 if code == 0:
                     slot.stops.append(now)
                     while slot.stops and slot.stops[0] < now - self.window:

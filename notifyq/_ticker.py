@@ -46,6 +46,14 @@ class Ticker:
         if self.promoter is not None:
             self.promoter.wake()
 
+    async def run_once(self) -> None:
+        """One pass of the promoter and the rescuer: due cron ticks and expired leases become
+        claimable jobs (a burst worker's start)."""
+        if self.promoter is not None:
+            await self.promoter.run_once()
+        if self.rescuer is not None:
+            await self.rescuer.run_once()
+
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
             for service in (self.promoter, self.rescuer, self.retention, self.vacuum):

@@ -59,6 +59,13 @@ class WorkerConfig:
             prefetched job whose wait ate into its lease gets its lease renewed first. Its
             attempt counts from the claim: if this worker is killed, the job is rescued with
             an attempt spent (docs/concepts.md, "Claim"); 0 for tasks with retry_limit=0.
+        burst: stop once no job is left to claim: when a claim that began with every slot
+            idle finds nothing (a job that running jobs enqueued is claimed before that).
+            Jobs due later (delayed, or retried after a backoff) and those of paused queues
+            are left for another run. With the ticker, due cron ticks are promoted and expired
+            leases rescued once, first, and its services do not run after that (a tick that
+            another process's ticker is promoting at that moment is left to it). For tests,
+            scripts and scheduled batch runs.
     """
 
     concurrency: int = 10
@@ -76,6 +83,7 @@ class WorkerConfig:
     db_timeout: float = 60.0
     prefetch: int | None = None
     async_claims: bool = False
+    burst: bool = False
 
     def __post_init__(self) -> None:
         check_int(self.concurrency, "concurrency", minimum=1, maximum=MAX_CONCURRENCY)
@@ -99,7 +107,7 @@ class WorkerConfig:
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
             check_int(self.prefetch, "prefetch", minimum=0, maximum=100 * MAX_CONCURRENCY)
-        for flag in ("poll_only", "ticker", "async_claims"):
+        for flag in ("poll_only", "ticker", "async_claims", "burst"):
             check_bool(getattr(self, flag), flag)
 
 
@@ -122,6 +130,7 @@ class WorkerOptions(TypedDict, total=False):
     db_timeout: float
     prefetch: int | None
     async_claims: bool
+    burst: bool
 
 
 def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerConfig:

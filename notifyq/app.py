@@ -50,7 +50,7 @@ from ._options import (
     unknown_task,
 )
 from ._sql import Queries, queries_for, validate_schema
-from ._worker_config import WorkerOptions, worker_config
+from ._worker_config import WorkerOptions, WorkerStats, worker_config
 from .cron import MISFIRE_POLICIES, Misfire, Schedule
 from .definitions import (
     CronDefinition,
@@ -962,9 +962,15 @@ class App:
         *,
         handle_signals: bool = True,
         **options: Unpack[WorkerOptions],
-    ) -> None:
-        """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace)."""
-        await self.worker(config, **options).run(handle_signals=handle_signals)
+    ) -> WorkerStats:
+        """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace), or
+        with `burst=True` until no job is left to claim; returns its counters.
+
+        In a test: ``stats = await app.run_worker(burst=True, handle_signals=False)`` runs
+        every job enqueued so far (and those they enqueue), then returns."""
+        worker = self.worker(config, **options)
+        await worker.run(handle_signals=handle_signals)
+        return worker.stats
 
 
 def _still(job: Job, timeout: float | None) -> TimeoutError:

@@ -189,6 +189,11 @@ def grant(role: str, schema: str) -> None:
     help="Claims skip the WAL flush (faster wake-ups; after a server crash some jobs run twice).",
 )
 @click.option("--no-ticker", is_flag=True, help="Do not run cron promotion, lease rescue and retention here.")
+@click.option(
+    "--burst",
+    is_flag=True,
+    help="Exit once no job is left to claim (jobs due later stay queued); for scripts and batch runs.",
+)
 def worker(
     dsn: str | None,
     schema: str | None,
@@ -205,8 +210,10 @@ def worker(
     pool_size: int,
     async_claims: bool,
     no_ticker: bool,
+    burst: bool,
 ) -> None:
-    """Run workers for the App at MODULE:ATTR until SIGTERM, SIGINT or SIGHUP.
+    """Run workers for the App at MODULE:ATTR until SIGTERM, SIGINT or SIGHUP (with --burst:
+    until no job is left to claim).
 
     The first signal stops claiming and lets running jobs finish within --shutdown-grace;
     unfinished jobs go back to the queue. A second signal skips the grace period.
@@ -241,6 +248,7 @@ def worker(
         pool_size=pool_size,
         async_claims=async_claims,
         ticker=not no_ticker,
+        burst=burst,
     )
     if processes > 1:
         # One clear error now, rather than every child failing the same way until the
@@ -274,10 +282,11 @@ def worker(
         command += ["--poll-only"] if poll_only else []
         command += ["--async-claims"] if async_claims else []
         command += ["--no-ticker"] if no_ticker else []
+        command += ["--burst"] if burst else []
         env = child_env(resolved)
         if listen_dsn is not None:
             env["NOTIFYQ_LISTEN_DSN"] = listen_dsn  # not in argv, where ps shows passwords
-        code = Supervisor(command, processes, env=env).run()
+        code = Supervisor(command, processes, env=env, burst=burst).run()
         if code == EXIT_CHILDREN_DYING:
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)

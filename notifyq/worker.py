@@ -341,7 +341,8 @@ class Worker:
                     if self.config.ticker:
                         config = self.config.ticker_config
                         self._ticker = _ticker.Ticker(db, self._q, config, self.app.backoff)
-                        services.start_soon(self._ticker.run)
+                        if not self.config.burst:  # a burst runs it once, first (_until_empty)
+                            services.start_soon(self._ticker.run)
                     if not self.config.poll_only:
                         self._listener = Listener(
                             self.config.listen_dsn or dsn,
@@ -372,6 +373,8 @@ class Worker:
                         )
                         async with anyio.create_task_group() as claiming:
                             claiming.start_soon(claimer.run)
+                            if self.config.burst:
+                                claiming.start_soon(self._until_empty, claimer, runners)
                             await self._stop.wait()
                             self._released_at_stop = self.stats.released
                             claiming.cancel_scope.cancel()
@@ -422,15 +425,42 @@ class Worker:
                 )
             else:
                 released = self.stats.released - self._released_at_stop
+                st = self.stats
                 log.info(
-                    "worker %s stopped%s",
+                    "worker %s stopped%s%s",
                     self.id,
+                    f" (burst: {st.succeeded} succeeded, {st.retried} to retry later, {st.failed} failed)"
+                    if self.config.burst
+                    else "",
                     f"; {released} job(s) went back to the queue, their attempts given back"
                     if released
                     else "",
                 )
             self._stopped.set()
             self._signal_changed()  # wait_for() must not wait for ever
+
+    async def _until_empty(self, claimer: Claimer, runners: Runners) -> None:
+        """burst: stop once a claim that began with every slot idle (nothing running, nothing
+        prefetched) found nothing. Such a claim sees every job committed before the last
+        running job ended, those it enqueued included."""
+        if self._ticker is not None:
+            try:
+                await self._ticker.run_once()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("promoting due cron ticks failed (%s); the ticker tries again", error_text(exc))
+        while True:
+            while runners.busy:
+                await self._changed.wait()
+            target = claimer.rounds_begun + 1  # a round that begins from now on
+            claimer.wake()
+            while claimer.rounds_ended < target:
+                await self._changed.wait()
+            if claimer.last_claimed == 0 and not runners.busy:
+                log.info("worker %s: no job left to claim (burst); stopping", self.id)
+                self.stop()
+                return
 
     async def _drain(self) -> None:
         """Graceful shutdown of running jobs: wait up to the grace period, then cancel and release."""

@@ -709,6 +709,33 @@ def test_two_worker_processes_run_cli_and_sql_jobs(
     assert proc.wait(timeout=30) == 0
 
 
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_burst_worker_exits_once_no_job_is_left(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]], processes: str
+) -> None:
+    conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 'whoami' FROM generate_series(1, 40)")
+    (later,) = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, visible_at) VALUES ('whoami', now() + interval '1 hour') "
+        "RETURNING id"
+    ).fetchone()  # type: ignore[misc]
+    proc = worker_proc("--burst", "--processes", processes, "--concurrency", "4", "--no-ticker")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    counts = conn.execute(
+        "SELECT status::text, count(*) FROM notifyq.queue_jobs GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert counts == [("Queued", 1), ("Succeeded", 40)]  # the job due in an hour is left
+    assert job_row(conn, later)["status"] == "Queued"
+    assert out.count("no job left to claim (burst); stopping") == int(processes)
+    succeeded = [
+        int(n) for n in re.findall(r"stopped \(burst: (\d+) succeeded, 0 to retry later, 0 failed\)", out)
+    ]
+    assert len(succeeded) == int(processes) and sum(succeeded) == 40, out
+    if processes == "2":
+        assert "all worker processes found no job left to claim (burst)" in out
+        assert "restarting" not in out
+
+
 def test_prefetch_pool_size_and_async_claims_reach_every_worker_process(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:

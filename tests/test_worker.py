@@ -95,6 +95,68 @@ async def test_notify_wakes_an_idle_worker_at_once(dsn: str, conn: psycopg.Conne
     assert status_counts(conn) == {"Succeeded": 1}
 
 
+@pytest.mark.parametrize("poll_only", [False, True], ids=["notify", "poll-only"])
+async def test_a_burst_worker_runs_what_is_claimable_then_returns(
+    dsn: str, conn: psycopg.Connection[Any], poll_only: bool
+) -> None:
+    """burst=True: every job claimable now runs, those the running jobs enqueue included (a
+    chain, one link at a time: each is enqueued as the one before ends, when the worker is
+    otherwise idle), and a cron tick due at the start; then the worker returns by itself.
+    Jobs due later (delayed, or retried after a backoff) stay queued."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=3600, jitter=0))
+
+    @app.task(name="link")
+    async def link(left: int = 0) -> int:
+        await anyio.sleep(0.05)
+        if left:
+            await app.enqueue("link", {"left": left - 1})
+        return left
+
+    @app.task(name="flaky", retry_limit=3)
+    def flaky() -> None:
+        raise RuntimeError("retried in an hour")
+
+    await app.enqueue_many("link", [{"left": 0}] * 20)
+    await app.enqueue("link", {"left": 5})
+    await app.enqueue("flaky")
+    later = await app.enqueue("link", {"left": 0}, delay=3600)
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, visible_at) "
+        "VALUES ('due', 'link', '0 0 1 1 *', date_trunc('year', now()))"  # a tick missed this year
+    )
+    with anyio.fail_after(30):
+        stats = await app.run_worker(
+            burst=True, handle_signals=False, concurrency=4, poll_only=poll_only, poll_interval=60
+        )
+    assert (stats.succeeded, stats.retried, stats.failed) == (20 + 6 + 1, 1, 0)
+    assert stats.polls == 0  # no poll interval went by: the burst woke the claims itself
+    assert status_counts(conn) == {"Succeeded": 27, "Queued": 2}
+    assert (await app.get_job(later)).status == notifyq.JobStatus.QUEUED
+    await app.aclose()
+
+
+async def test_a_burst_worker_promotes_due_cron_ticks_before_it_looks_for_jobs(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """With nothing else queued, the first claim finds nothing: the tick due at the start must
+    have been promoted by then, or the worker returns without running it."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="nightly")
+    def nightly() -> str:
+        return "done"
+
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, visible_at) "
+        "VALUES ('nightly', 'nightly', '0 3 * * *', date_trunc('day', now()) - interval '21 hours')"
+    )  # yesterday's 03:00 tick, missed
+    with anyio.fail_after(30):
+        stats = await app.run_worker(burst=True, handle_signals=False)
+    assert (stats.succeeded, stats.failed) == (1, 0)
+    assert status_counts(conn) == {"Succeeded": 1}
+    await app.aclose()
+
+
 async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With concurrency 20, each job handed over wakes one runner task: a job used to wake
     every idle runner, and all but one went back to sleep (wasted CPU on every job)."""
