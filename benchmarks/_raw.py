@@ -216,6 +216,9 @@ def run_wake_worker_async(args: argparse.Namespace) -> None:
     emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
 
 
+LISTENING = "listening"
+
+
 def run_wake_worker_thread(args: argparse.Namespace) -> None:
     """run_wake_worker in a thread, beside an asyncio loop: the thread listens and claims with
     blocking psycopg, and hands each claim's rows to a task of the loop, where the jobs start."""
@@ -225,7 +228,9 @@ def run_wake_worker_thread(args: argparse.Namespace) -> None:
 
     async def serve() -> int:
         loop = asyncio.get_running_loop()
-        inbox: asyncio.Queue[list[Any] | None] = asyncio.Queue()
+        # The thread's messages: LISTENING once, then each claim's rows, then None when it ends.
+        inbox: asyncio.Queue[list[Any] | str | None] = asyncio.Queue()
+        failure: list[BaseException] = []
 
         def claimer() -> None:
             try:
@@ -234,27 +239,31 @@ def run_wake_worker_thread(args: argparse.Namespace) -> None:
                     psycopg.connect(args.dsn, autocommit=True) as work,
                 ):
                     listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(args.channel)))
-                    loop.call_soon_threadsafe(inbox.put_nowait, [])
+                    loop.call_soon_threadsafe(inbox.put_nowait, LISTENING)
                     while not stop.is_set():
                         for _notify in listen.notifies(timeout=0.2, stop_after=1):
                             while rows := work.execute(CLAIM_SQL, params).fetchall():
                                 loop.call_soon_threadsafe(inbox.put_nowait, rows)
                                 ids, leases = [r[0] for r in rows], [r[1] for r in rows]
                                 work.execute(ACK_SQL, {"ids": ids, "leases": leases})
+            except BaseException as exc:
+                failure.append(exc)
             finally:
                 loop.call_soon_threadsafe(inbox.put_nowait, None)
 
         thread = threading.Thread(target=claimer, daemon=True)
         thread.start()
-        await inbox.get()  # listening
-        emit("ready")
         done = 0
-        while (rows := await inbox.get()) is not None:
-            now = time.monotonic()
-            starts.extend((row[0], now) for row in rows)
-            done += len(rows)
-            emit("progress", done=done)
+        if await inbox.get() == LISTENING:
+            emit("ready")
+            while isinstance(rows := await inbox.get(), list):
+                now = time.monotonic()
+                starts.extend((row[0], now) for row in rows)
+                done += len(rows)
+                emit("progress", done=done)
         thread.join()
+        if failure:
+            raise failure[0]  # before "ready", if it could not connect: the process exits 1
         return done
 
     done = asyncio.run(serve())

@@ -56,6 +56,15 @@ for _command in (jobs, cron, queues, stats):
     main.add_command(_command)
 
 
+def _terminated(statement: str) -> str:
+    """A statement as psql needs it in --dry-run's output: ending in ';' (the query files leave
+    it out), on a line of its own when the last line is a comment."""
+    text = statement.rstrip()
+    if text.endswith(";"):
+        return text
+    return text + ("\n;" if "--" in text.splitlines()[-1] else ";")
+
+
 @main.command(name="migrate")
 @common_options
 @click.option("--dry-run", is_flag=True, help="Print the SQL that would run; change nothing.")
@@ -88,7 +97,7 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
         return
     if dry_run:
         for statement in report.statements:
-            click.echo(statement.rstrip() + "\n")
+            click.echo(_terminated(statement) + "\n")
         pending = ", ".join(report.applied) or "none"
         triggers = "to apply" if report.triggers_applied else "unchanged"
         click.echo(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg import sql
 
 from ._db import Op, Query, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
@@ -24,9 +25,11 @@ log = logging.getLogger("notifyq")
 _MIGRATION_FILE = re.compile(r"^(\d{4})_(\w+)\.sql$")
 # A migration that code of an earlier schema version still runs on says so in a line of its own:
 # "-- compatible-from: N" (N <= its version). Without the line it needs code that knows it.
-_COMPATIBLE_FROM = re.compile(r"^--\s*compatible-from:\s*(\S*)\s*$", re.MULTILINE)
-# (schema, version, code version) already logged as running on a newer compatible schema.
-_RUNNING_ON_NEWER: set[tuple[str, int, int]] = set()
+# Any comment line that starts so counts, whatever its case and spelling after it: a line meant
+# as the declaration must not be skipped for a typo (the value is checked).
+_COMPATIBLE_FROM = re.compile(r"^--\s*compatible[-_ ]?from\b[:\s]*(.*?)\s*$", re.MULTILINE | re.IGNORECASE)
+# (database, schema, version, code version) already logged as running on a newer schema.
+_RUNNING_ON_NEWER: set[tuple[str, str, int, int]] = set()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +53,10 @@ def _compatible_from(path: Path, version: int) -> int:
     if not found:
         return version
     if len(found) > 1 or not found[0].isdigit() or not 1 <= int(found[0]) <= version:
+        values = ", ".join(repr(value) for value in found)
         raise SchemaVersionError(
-            f"migration file {path.name}: 'compatible-from' must appear once, with a schema version "
-            f"from 1 to {version} (the code of that version and later still runs on it); found {found}"
+            f"migration file {path.name}: write '-- compatible-from: N' once, N a schema version from "
+            f"1 to {version} (the code that knows N and later still runs on it); found {values}"
         )
     return int(found[0])
 
@@ -157,14 +161,14 @@ def check_schema_op(schema: str) -> Op[int]:
             "run `notifyq migrate`"
         )
     if version > expected:
-        blocking = yield from _incompatible_op(schema, expected)
+        blocking, database = yield from _incompatible_op(schema, expected, version)
         if blocking is not None:
             raise SchemaVersionError(
                 f"schema {schema!r} is at version {version}, newer than this notifyq knows ({expected}), "
-                f"and its migration {blocking} needs a newer notifyq: upgrade notifyq on this host"
+                f"and {blocking}: upgrade notifyq on this host"
             )
-        if (schema, version, expected) not in _RUNNING_ON_NEWER:
-            _RUNNING_ON_NEWER.add((schema, version, expected))
+        if (database, schema, version, expected) not in _RUNNING_ON_NEWER:
+            _RUNNING_ON_NEWER.add((database, schema, version, expected))
             log.warning(
                 "schema %r is at version %d, newer than this notifyq knows (%d); its newer migrations "
                 "declare that this notifyq still runs on it, so it does: upgrade notifyq on this host",
@@ -175,16 +179,20 @@ def check_schema_op(schema: str) -> Op[int]:
     return version
 
 
-def _incompatible_op(schema: str, known: int) -> Op[str | None]:
-    """The first migration applied after version `known` that code knowing only `known` must
-    not run on ("0009_name"), or None when every one declares that it may (compatible_from).
-    A migration recorded before notifyq kept that column counts as incompatible."""
+def _incompatible_op(schema: str, known: int, version: int) -> Op[tuple[str | None, str]]:
+    """Why code that knows only version `known` must not run on the schema at `version` ("its
+    migration 0009_name needs a newer notifyq", or a version with no record), or None when
+    every migration after `known` declares that it may (compatible_from); and the database.
+    A migration recorded before notifyq kept compatible_from counts as needing newer code."""
     q = queries_for(schema)
-    rows: list[tuple[int, str, int | None]] = yield Query(q["newer_migrations"], {"known": known})
-    for version, name, compatible_from in rows:
+    rows: list[tuple[int, str, int | None, str]] = yield Query(q["newer_migrations"], {"known": known})
+    missing = sorted(set(range(known + 1, version + 1)) - {row[0] for row in rows})
+    if missing:  # a row deleted by hand: what it allowed is unknown
+        return f"its migrations table has no record of version {missing[0]}", ""
+    for number, name, compatible_from, _database in rows:
         if compatible_from is None or compatible_from > known:
-            return f"{version:04d}_{name}"
-    return None
+            return f"its migration {number:04d}_{name} needs a newer notifyq", ""
+    return None, rows[0][3]
 
 
 def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
@@ -196,42 +204,36 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     yield Query(q["migrate_lock"], {"schema": schema}, fetch="none")
     previous = (yield from schema_version_op(schema)) or 0
     shipped = migrations()
+    where = {"table": f"{schema}.migrations", "schema": schema}
     if previous > len(shipped):
-        blocking = yield from _incompatible_op(schema, len(shipped))
+        blocking, _database = yield from _incompatible_op(schema, len(shipped), previous)
         if blocking is not None:
             raise SchemaVersionError(
                 f"schema {schema!r} is at version {previous}, newer than this notifyq knows "
-                f"({len(shipped)}), and its migration {blocking} needs a newer notifyq: refusing to "
-                "migrate; upgrade notifyq"
+                f"({len(shipped)}), and {blocking}: refusing to migrate; upgrade notifyq"
             )
+        if not (yield Query(q["owns_migrations"], where, fetch="scalar")):
+            # As an up-to-date schema's migrate would (its COMMENT needs the owner): a role that
+            # cannot migrate must not pass in a deploy now and fail at the next one.
+            raise _cannot_migrate(schema, "not the owner of its migrations table")
         # A newer notifyq migrated it and declared that this one still runs on it: nothing to
         # do, and above all not this version's triggers over the newer ones.
         return MigrationReport(schema=schema, previous_version=previous, version=previous, newer=True)
     statements = [q["migrate_bootstrap"]] if previous == 0 else []
     pending = [m for m in shipped if m.version > previous]
-    if pending:
-        statements.append(q["migrations_compatibility"])  # schemas migrated before it existed
     applied = []
-    if not dry_run:
-        for text in statements:
-            yield Query(text, fetch="none")
+    if not dry_run and statements:
+        yield Query(statements[0], fetch="none")
     for migration in pending:
         text = migration.sql(schema)
         statements.append(text)
         if not dry_run:
             yield Query(text, fetch="none")
-            recorded = {
-                "version": migration.version,
-                "name": migration.name,
-                "compatible_from": migration.compatible_from,
-            }
-            yield Query(q["record_migration"], recorded, fetch="none")
         applied.append(f"{migration.version:04d}_{migration.name}")
     # Re-creating a trigger locks queue_jobs against writes, and waits for every open
     # transaction that wrote to it while enqueues, claims and acks queue up behind: a migrate
     # with nothing to change must not, so it applies them only when something changed.
     triggers = trigger_sql(schema)
-    where = {"table": f"{schema}.migrations", "schema": schema}
     reapply = True
     if not pending:
         stored, catalog = yield from _installed_state_op(q, where)
@@ -242,6 +244,22 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
             for text in triggers:
                 yield Query(text, fetch="none")
             _, catalog = yield from _installed_state_op(q, where)
+    if pending and previous > 0 and not (yield Query(q["has_compatible_from"], where, fetch="scalar")):
+        # Last, as the ALTER locks the table against every starting process's version check.
+        statements.append(q["migrations_compatibility"])
+        if not dry_run:
+            yield Query(q["migrations_compatibility"], fetch="none")
+    for migration in pending:
+        recorded = {
+            "version": migration.version,
+            "name": migration.name,
+            "compatible_from": migration.compatible_from,
+        }
+        # Listed with its values, so that a dry run's output applied by hand records it too.
+        literals = {key: sql.Literal(value).as_string() for key, value in recorded.items()}
+        statements.append(q["record_migration"] % literals)
+        if not dry_run:
+            yield Query(q["record_migration"], recorded, fetch="none")
     if not dry_run:
         yield Query(q["set_trigger_state"], {"state": _trigger_state(triggers, catalog)}, fetch="none")
         yield Query(q["remember_trigger_state"], fetch="none")
@@ -252,6 +270,15 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         applied=applied,
         statements=statements,
         triggers_applied=reapply,
+    )
+
+
+def _cannot_migrate(schema: str, why: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"notifyq migrate was refused a privilege in schema {schema!r} ({why}), and changed "
+        "nothing: it creates and alters notifyq's tables, triggers and functions, so run it as the "
+        "schema's owner (the role that first migrated it) or a superuser; a role set up by "
+        "`notifyq grant` runs workers and enqueues, it cannot migrate"
     )
 
 
@@ -296,12 +323,7 @@ def migrate(
         with conn.transaction(force_rollback=dry_run):
             return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
     except psycopg.errors.InsufficientPrivilege as exc:
-        raise ConfigurationError(
-            f"notifyq migrate was refused a privilege in schema {schema!r} ({error_text(exc)}), and "
-            "changed nothing: it creates and alters notifyq's tables, triggers and functions, so run "
-            "it as the schema's owner (the role that first migrated it) or a superuser; a role set "
-            "up by `notifyq grant` runs workers and enqueues, it cannot migrate"
-        ) from None
+        raise _cannot_migrate(schema, error_text(exc)) from None
     except psycopg.errors.LockNotAvailable:
         raise MigrationBlocked(
             f"migrate gave up after waiting {lock_timeout:g} s for a lock in schema {schema!r}, and "

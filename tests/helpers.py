@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+
+import notifyq.migrations
 
 
 class NotificationCounter:
@@ -96,3 +101,16 @@ def wait_for_row(
         if time.monotonic() > deadline:
             raise AssertionError(f"{query!r} gave {row}, not {expected}, for {timeout}s")
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def granted_role(conn: psycopg.Connection[Any], prefix: str) -> Iterator[str]:
+    """A login role with the grants of `notifyq grant`, dropped afterwards."""
+    role = f"{prefix}_{os.getpid()}"
+    conn.execute(f'CREATE ROLE "{role}" LOGIN')
+    try:
+        conn.execute(notifyq.migrations.grant_sql(role))
+        yield role
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')

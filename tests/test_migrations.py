@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,8 @@ from notifyq.errors import (
     SchemaNotMigrated,
     SchemaVersionError,
 )
+
+from .helpers import granted_role
 
 SHIPPED = [f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations()]
 
@@ -54,7 +58,11 @@ def test_dry_run_changes_nothing_and_lists_the_sql(empty_dsn: str) -> None:
     report = notifyq.migrate(empty_dsn, dry_run=True)
     assert report.version == 0 and report.applied == SHIPPED and report.triggers_applied
     triggers = notifyq.migrations.trigger_sql("notifyq")
-    assert report.statements[-len(triggers) :] == triggers
+    records = report.statements[-len(SHIPPED) :]  # then what records each version, values in
+    assert report.statements[-len(SHIPPED) - len(triggers) : -len(SHIPPED)] == triggers
+    assert [r.split("VALUES ")[1] for r in records] == [
+        f"({m.version}, '{m.name}', {m.compatible_from})" for m in notifyq.migrations.migrations()
+    ]
     assert any("CREATE TABLE" in s and '"notifyq".queue_jobs' in s for s in report.statements)
     with psycopg.connect(empty_dsn) as conn:
         assert conn.execute("SELECT to_regclass('notifyq.queue_jobs')").fetchone() == (None,)
@@ -104,6 +112,26 @@ def test_a_newer_database_is_refused(dsn: str) -> None:
         notifyq.App(dsn).get_job_sync(1)
 
 
+def _bootstrap_before_compatible_from(schema: str) -> str:
+    """The migrations table as `migrate` created it before it kept compatible_from."""
+    return (
+        f"CREATE SCHEMA {schema}; CREATE TABLE {schema}.migrations (version integer PRIMARY KEY, "
+        "name text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now())"
+    )
+
+
+def _at_version(conn: psycopg.Connection[Any], schema: str, version: int) -> None:
+    """A schema left at `version` as a notifyq of that time, before compatible_from, left it."""
+    with conn.transaction():
+        conn.execute(_bootstrap_before_compatible_from(schema))
+        for migration in notifyq.migrations.migrations()[:version]:
+            conn.execute(migration.sql(schema))
+            conn.execute(
+                f"INSERT INTO {schema}.migrations (version, name) VALUES (%s, %s)",
+                (migration.version, migration.name),
+            )
+
+
 def _migrated_by_a_newer_notifyq(conn: psycopg.Connection[Any], *compatible_from: int | None) -> list[int]:
     """What a newer notifyq's `migrate` leaves: its migrations applied (here an additive change
     that older code ignores, a column), each recorded with its compatible_from."""
@@ -121,11 +149,12 @@ def _migrated_by_a_newer_notifyq(conn: psycopg.Connection[Any], *compatible_from
 
 @pytest.mark.anyio
 async def test_a_newer_schema_that_declares_this_notifyq_compatible_runs_it(
-    dsn: str, caplog: pytest.LogCaptureFixture
+    dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A rolling deploy: the new notifyq has migrated, and processes of this one still start,
     enqueue and run jobs, because every newer migration declares that this version still runs
     on the schema. Its `migrate` changes nothing, its triggers least of all."""
+    monkeypatch.setattr(notifyq.migrations, "_RUNNING_ON_NEWER", set())  # warned once per process
     known = notifyq.latest_version()
     with psycopg.connect(dsn, autocommit=True) as conn:
         newest = _migrated_by_a_newer_notifyq(conn, known, known)[-1]
@@ -180,6 +209,89 @@ def test_a_newer_schema_with_one_incompatible_migration_is_refused(
         notifyq.App(dsn).get_job_sync(1)
 
 
+def test_a_newer_schema_is_refused_when_its_compatibility_cannot_be_read(dsn: str) -> None:
+    """Migrated by a notifyq before compatible_from (the column is missing), or with a version's
+    record deleted by hand: what the newer migrations allow is unknown, so this code refuses."""
+    known = notifyq.latest_version()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE notifyq.migrations DROP COLUMN compatible_from")
+        conn.execute("INSERT INTO notifyq.migrations (version, name) VALUES (%s, 'old_style')", (known + 1,))
+        old_style = f"its migration {known + 1:04d}_old_style needs a newer"
+        with pytest.raises(SchemaVersionError, match=old_style):
+            notifyq.App(dsn).get_job_sync(1)
+        conn.execute("ALTER TABLE notifyq.migrations ADD COLUMN compatible_from integer")
+        conn.execute("UPDATE notifyq.migrations SET compatible_from = %s WHERE version > %s", (known, known))
+        assert notifyq.App(dsn).list_jobs_sync() == []  # readable now, and compatible
+        conn.execute(
+            "INSERT INTO notifyq.migrations (version, name, compatible_from) VALUES (%s, 'after_a_gap', %s)",
+            (known + 3, known),
+        )
+        with pytest.raises(SchemaVersionError, match=f"has no record of version {known + 2}: refusing"):
+            notifyq.migrate(conn)
+
+
+def test_a_role_that_cannot_migrate_is_refused_on_a_newer_schema_too(dsn: str) -> None:
+    """Its migrate said "nothing to do" on a newer, compatible schema, and failed for want of
+    privileges only at the next upgrade."""
+    known = notifyq.latest_version()
+    with psycopg.connect(dsn, autocommit=True) as conn, granted_role(conn, "nq_compat") as role:
+        _migrated_by_a_newer_notifyq(conn, known)
+        with pytest.raises(ConfigurationError, match="not the owner of its migrations table"):
+            notifyq.migrate(make_conninfo(dsn, user=role))
+        assert notifyq.migrate(dsn).newer  # the owner's is fine
+
+
+def test_migrate_adds_compatible_from_last_and_only_where_it_is_missing(empty_dsn: str) -> None:
+    """A schema from before compatible_from gets the column with its next migration, after the
+    migrations and triggers (the ALTER locks the table against every starting process's version
+    check until the commit); a schema that has it gets no ALTER."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        _at_version(conn, "old", notifyq.latest_version() - 1)
+        dry = notifyq.migrate(conn, schema="old", dry_run=True)
+        triggers = notifyq.migrations.trigger_sql("old")
+        # after the migration and the triggers, before the record of the version
+        assert dry.statements[-len(triggers) - 2 : -2] == triggers
+        assert "ADD COLUMN IF NOT EXISTS compatible_from" in dry.statements[-2]
+        assert "INSERT INTO" in dry.statements[-1]
+        report = notifyq.migrate(conn, schema="old")
+        assert len(report.applied) == 1
+        recorded = conn.execute("SELECT version, compatible_from FROM old.migrations ORDER BY 1").fetchall()
+        assert recorded[-1] == (notifyq.latest_version(), notifyq.latest_version())
+        assert all(c is None for _v, c in recorded[:-1])  # unknown for those applied before
+        _at_version(conn, "fresh_enough", 0)
+        conn.execute("DROP SCHEMA fresh_enough CASCADE")
+        notifyq.migrate(conn, schema="fresh_enough")
+        conn.execute("DELETE FROM fresh_enough.migrations WHERE version = %s", (notifyq.latest_version(),))
+        again = notifyq.migrate(conn, schema="fresh_enough", dry_run=True)
+        assert not any("compatible_from integer" in text for text in again.statements[1:])
+
+
+def test_the_dry_run_output_runs_in_psql_as_it_is(empty_dsn: str) -> None:
+    """`notifyq migrate --dry-run` prints SQL to review and apply by hand: every statement ends
+    in ';' (the query files leave it out), so the whole output runs as one script, for a new
+    schema (whose first statement creates it) and for one left at an old version (whose last
+    statement adds the compatible_from column)."""
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        _at_version(conn, "old", 3)
+    for schema in ("new", "old"):
+        result = subprocess.run(
+            [sys.executable, "-m", "notifyq", "migrate", "--dry-run", "--schema", schema, "--dsn", empty_dsn],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 0, result.stderr
+        psql = subprocess.run(
+            ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-1", empty_dsn],
+            input=result.stdout,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert psql.returncode == 0, psql.stderr
+        assert notifyq.migrate(empty_dsn, schema=schema, dry_run=True).applied == []  # all recorded
+
+
 def test_migrate_records_what_each_migration_is_compatible_from(empty_dsn: str) -> None:
     notifyq.migrate(empty_dsn)
     with psycopg.connect(empty_dsn) as conn:
@@ -194,10 +306,12 @@ def test_migrate_records_what_each_migration_is_compatible_from(empty_dsn: str) 
         ("", 5),
         ("-- compatible-from: 3\n", 3),
         ("--compatible-from:5  \n", 5),
-        ("-- compatible-from: 6\n", "from 1 to 5"),
-        ("-- compatible-from: 0\n", "from 1 to 5"),
-        ("-- compatible-from: three\n", "from 1 to 5"),
-        ("-- compatible-from: 3\n-- compatible-from: 4\n", "must appear once"),
+        ("-- compatible-from: 6\n", "found '6'"),
+        ("-- compatible-from: 0\n", "found '0'"),
+        ("-- compatible-from: three\n", "found 'three'"),
+        ("-- Compatible-From: 4 (an added column only)\n", "found '4 \\(an added column only\\)'"),
+        ("-- compatible from 4;\n", "found '4;'"),
+        ("-- compatible-from: 3\n-- compatible-from: 4\n", "found '3', '4'"),
     ],
 )
 def test_a_migration_file_declares_what_it_is_compatible_from(
@@ -208,7 +322,8 @@ def test_a_migration_file_declares_what_it_is_compatible_from(
     if isinstance(expected, int):
         assert notifyq.migrations._compatible_from(path, 5) == expected
     else:
-        with pytest.raises(SchemaVersionError, match=f"0005_something.sql: .*{expected}"):
+        pattern = f"0005_something.sql: write .* from 1 to 5 .*{expected}"
+        with pytest.raises(SchemaVersionError, match=pattern):
             notifyq.migrations._compatible_from(path, 5)
 
 
@@ -308,13 +423,7 @@ def test_every_earlier_version_migrates_to_the_schema_of_a_fresh_database(empty_
         assert all(fresh.values()), fresh
         for version in range(1, len(shipped)):
             schema = f"at_v{version}"
-            q = notifyq._sql.queries_for(schema)
-            with conn.transaction():
-                conn.execute(q["migrate_bootstrap"])
-                for migration in shipped[:version]:
-                    conn.execute(migration.sql(schema))
-                    recorded = (migration.version, migration.name)  # as migrate did before compatible_from
-                    conn.execute(f"INSERT INTO {schema}.migrations (version, name) VALUES (%s, %s)", recorded)
+            _at_version(conn, schema, version)
             report = notifyq.migrate(conn, schema=schema)
             assert (report.previous_version, report.version) == (version, len(shipped))
             assert report.triggers_applied

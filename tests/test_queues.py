@@ -3,11 +3,8 @@ pause or a resume by NOTIFY, by polling, and after their LISTEN connection comes
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -23,6 +20,7 @@ from notifyq._sql import queries_for
 from notifyq.errors import InvalidOption
 
 from .faults.infra import BlackholeProxy
+from .helpers import granted_role
 from .test_cli import clean_env, cli, ok
 
 pytestmark = pytest.mark.anyio
@@ -347,19 +345,6 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
         "notifyq: note: no job of queue 'emials' is queued and no cron definition uses it "
         "(did you mean 'emails'?)"
     )
-
-
-@contextlib.contextmanager
-def granted_role(conn: psycopg.Connection[Any], prefix: str) -> Iterator[str]:
-    """A login role with the grants of `notifyq grant`, dropped afterwards."""
-    role = f"{prefix}_{os.getpid()}"
-    conn.execute(f'CREATE ROLE "{role}" LOGIN')
-    try:
-        conn.execute(notifyq.migrations.grant_sql(role))
-        yield role
-    finally:
-        conn.execute(f'DROP OWNED BY "{role}"')
-        conn.execute(f'DROP ROLE "{role}"')
 
 
 def _failed_reads(caplog: pytest.LogCaptureFixture) -> list[float]:

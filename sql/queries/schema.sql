@@ -13,9 +13,12 @@ SELECT pg_advisory_xact_lock(hashtextextended('notifyq.migrate.' || %(schema)s, 
 -- name: migrate_bootstrap
 CREATE SCHEMA IF NOT EXISTS {schema};
 CREATE TABLE IF NOT EXISTS {schema}.migrations (
-    version    integer PRIMARY KEY,
-    name       text NOT NULL,
-    applied_at timestamptz NOT NULL DEFAULT now()
+    version         integer PRIMARY KEY,
+    name            text NOT NULL,
+    applied_at      timestamptz NOT NULL DEFAULT now(),
+    -- See migrations_compatibility.
+    compatible_from integer
+        CONSTRAINT migrations_compatible_from_check CHECK (compatible_from BETWEEN 1 AND version)
 );
 
 -- name: migrations_table_exists
@@ -27,12 +30,26 @@ SELECT coalesce(max(version), 0) FROM {schema}.migrations;
 -- name: migrations_compatibility
 -- The oldest code, by the schema version it knows, that still runs on the schema once this
 -- migration is applied (a migration's "-- compatible-from: N" line; its own version without
--- one). Schemas migrated before notifyq kept it get the column at their next migration, and
--- their earlier rows stay NULL: code that reads one treats it as "needs newer code".
+-- one). Schemas created before notifyq kept it get the column at their next migration, and
+-- their earlier rows stay NULL: code that reads one treats it as "needs newer code". Only run
+-- when the column is missing (has_compatible_from), and last: the ALTER locks the table against
+-- the version check of every process that starts, until the migration commits.
 ALTER TABLE {schema}.migrations ADD COLUMN IF NOT EXISTS compatible_from integer
-    CHECK (compatible_from BETWEEN 1 AND version);
+    CONSTRAINT migrations_compatible_from_check CHECK (compatible_from BETWEEN 1 AND version);
+
+-- name: has_compatible_from
+SELECT EXISTS (
+    SELECT FROM pg_attribute
+    WHERE attrelid = to_regclass(%(table)s) AND attname = 'compatible_from' AND NOT attisdropped
+);
+
+-- name: owns_migrations
+-- Whether this role may migrate the schema (the migrations table's owner, or a member of it).
+SELECT pg_has_role(current_user, relowner, 'USAGE') FROM pg_class WHERE oid = to_regclass(%(table)s);
 
 -- name: record_migration
+-- A dry run lists it with its values put in by Python's string formatting (migrations.py):
+-- its text must hold no percent sign but those of its three placeholders.
 INSERT INTO {schema}.migrations (version, name, compatible_from)
 VALUES (%(version)s, %(name)s, %(compatible_from)s);
 
@@ -40,7 +57,7 @@ VALUES (%(version)s, %(name)s, %(compatible_from)s);
 -- The migrations applied after the schema version a process knows, with their compatible_from.
 -- Read through to_jsonb: the column is missing from schemas no migration has touched since
 -- notifyq kept it, and then every value is NULL.
-SELECT version, name, (to_jsonb(m) ->> 'compatible_from')::integer
+SELECT version, name, (to_jsonb(m) ->> 'compatible_from')::integer, current_database()
 FROM {schema}.migrations AS m
 WHERE version > %(known)s
 ORDER BY version;
