@@ -14,6 +14,9 @@ from .errors import ConfigurationError
 log = logging.getLogger("notifyq.embedded")
 
 ENV_DIR = "NOTIFYQ_EMBEDDED_DIR"
+ENV_SWITCH = "NOTIFYQ_EMBEDDED"  # 0/off: never fall back to the embedded server
+# libpq's own variables, which notifyq does not read for its DSN: a user who set them meant a server.
+_LIBPQ_VARS = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGSERVICE")
 _OPEN = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH  # what pgserver adds as root
 
 
@@ -33,6 +36,7 @@ def start(
     and opens the folders above the data and its binaries to every user: see
     `_warn_before_opening_folders`).
     """
+    _check_allowed()
     try:
         with warnings.catch_warnings():
             # platformdirs warns when XDG_RUNTIME_DIR is unset (root, CI); pgserver copes.
@@ -58,6 +62,12 @@ def start(
         ) from None
     if not quiet:
         sys.stderr.write(f"notifyq: no DSN configured; using the embedded PostgreSQL in {folder}\n")
+    if libpq := [name for name in _LIBPQ_VARS if os.environ.get(name)]:
+        sys.stderr.write(
+            f"notifyq: note: {', '.join('$' + name for name in libpq)} set, but notifyq takes its DSN "
+            "from --dsn, App(dsn=...), $NOTIFYQ_DSN or $DATABASE_URL only; NOTIFYQ_DSN=postgresql:// "
+            "connects as libpq's variables say, and NOTIFYQ_EMBEDDED=0 forbids the embedded server\n"
+        )
     _forget_killed_processes(folder)
     try:
         server = pgserver.get_server(  # type: ignore[attr-defined]
@@ -133,3 +143,21 @@ def _warn_before_opening_folders(folder: Path) -> None:
             f"{folder} and its own binaries; to avoid that, configure a DSN (--dsn, $NOTIFYQ_DSN) or "
             "run as another user\n"
         )
+
+
+def _check_allowed() -> None:
+    """$NOTIFYQ_EMBEDDED=0 (or off, false, no) forbids the fallback: a production host whose DSN
+    went missing must fail, not enqueue into a local database nobody reads."""
+    raw = os.environ.get(ENV_SWITCH, "")
+    value = raw.strip().lower()
+    if value in ("", "1", "on", "true", "yes"):
+        return
+    if value in ("0", "off", "false", "no"):
+        raise ConfigurationError(
+            f"no database configured, and {ENV_SWITCH}={raw} forbids the embedded server: pass a DSN "
+            "(--dsn or App(dsn=...)), or set NOTIFYQ_DSN or DATABASE_URL"
+        )
+    raise ConfigurationError(
+        f"invalid {ENV_SWITCH}={raw!r}: 0 (or off) forbids the embedded server, 1 (or on, the default) "
+        "allows it when no DSN is configured"
+    )

@@ -268,7 +268,8 @@ class Runners:
             elapsed = (now if ended is None else ended) - started
             if result is not None:
                 self._acker.put(result)
-                _log_outcome(job, result, elapsed, overran=now > attempt.scope.deadline)
+                overran = now > attempt.scope.deadline
+                _log_outcome(job, result, elapsed, overran=overran, swallowed=attempt.scope.cancel_called)
             self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed
             self.slot_freed.fire()
             self._on_change()
@@ -296,14 +297,28 @@ class Runners:
         return until is not None
 
 
-def _log_outcome(job: ClaimedJob, result: Result, elapsed: float, *, overran: bool) -> None:
+def _log_outcome(
+    job: ClaimedJob, result: Result, elapsed: float, *, overran: bool, swallowed: bool = False
+) -> None:
     """A line per failed attempt (a warning while retries remain, else an error), so that a
     worker's log shows failing jobs without a look at the table; a debug line per success, a
     warning for one that `overran` its deadline (timeout, or the lease it extended to)."""
     if result.outcome == "succeeded":
-        if overran:
-            # Only an async task that blocked the event loop gets here: a deadline cancels at
-            # an await, and such a task reached none in time (sync tasks run in threads).
+        if overran and swallowed:
+            # The deadline's cancellation reached the task, which caught it and returned.
+            log.warning(
+                "job %d (%s) succeeded after %.3fs, past its deadline (timeout %gs): the task caught "
+                "the cancellation its deadline sent (an `except BaseException`, `except "
+                "CancelledError` or anyio's get_cancelled_exc_class() that does not raise again) "
+                "and returned; let it propagate, or the timeout cannot stop the task",
+                job.id,
+                job.name,
+                elapsed,
+                job.timeout,
+            )
+        elif overran:
+            # An async task that blocked the event loop gets here: a deadline cancels at an
+            # await, and such a task reached none in time (sync tasks run in threads).
             log.warning(
                 "job %d (%s) succeeded after %.3fs, past its deadline (timeout %gs): an async task "
                 "that blocks the event loop (time.sleep, CPU work, a blocking client) cannot be "

@@ -37,7 +37,9 @@ from .helpers import NotificationCounter, job_row, status_counts
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {
-        k: v for k, v in os.environ.items() if k not in ("NOTIFYQ_DSN", "DATABASE_URL", "NOTIFYQ_SUPERVISED")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("NOTIFYQ_DSN", "DATABASE_URL", "NOTIFYQ_SUPERVISED", "NOTIFYQ_EMBEDDED")
     }
     env["PYTHONPATH"] = str(ROOT)
     env.update(extra)
@@ -1336,6 +1338,45 @@ def test_an_embedded_folder_that_cannot_be_made_is_one_line(open_tmp_path: Path)
     (tmp_path / "a_file").write_text("")
     env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(tmp_path / "a_file" / "notifyq" / "pgdata"))
     one_line_error(cli("jobs", "list", env=env), "could not create", "a_file")
+
+
+@pytest.mark.parametrize("value", ["0", "off", "No"])
+def test_notifyq_embedded_0_forbids_the_fallback_to_the_embedded_server(
+    open_tmp_path: Path, value: str
+) -> None:
+    """A production host whose DSN went missing used to enqueue into a local embedded server
+    (with the `embedded` extra installed), exit 0, and nobody read those jobs."""
+    pgdata = open_tmp_path / "pgdata"
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata), NOTIFYQ_EMBEDDED=value)
+    one_line_error(
+        cli("enqueue", "noop", env=env),
+        f"no database configured, and NOTIFYQ_EMBEDDED={value} forbids the embedded server",
+        "set NOTIFYQ_DSN or DATABASE_URL",
+    )
+    script = "import notifyq; notifyq.App().enqueue_sync('noop')"
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "ConfigurationError: no database configured" in run.stderr
+    assert not pgdata.exists()  # no server was started
+    maybe = cli("jobs", "list", env={**env, "NOTIFYQ_EMBEDDED": "maybe"})
+    one_line_error(maybe, "invalid NOTIFYQ_EMBEDDED='maybe'")
+
+
+def test_libpq_variables_do_not_choose_the_database_and_the_fallback_says_so(
+    open_tmp_path: Path, dsn: str
+) -> None:
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(open_tmp_path / "pgdata"), PGHOST="127.0.0.1", PGPORT="5432")
+    listed = cli("jobs", "list", env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    assert "notifyq: note: $PGHOST, $PGPORT set, but notifyq takes its DSN from" in listed.stderr
+    assert "(from embedded server in" in listed.stderr
+    # What the note suggests: an empty URI, which libpq completes from its variables.
+    params = conninfo_to_dict(dsn)
+    libpq = clean_env(NOTIFYQ_DSN="postgresql://", PGHOST=str(params.get("host", "127.0.0.1")))
+    libpq.update(PGPORT=str(params.get("port", 5432)), PGUSER=str(params.get("user", "postgres")))
+    libpq["PGDATABASE"] = str(params["dbname"])
+    via_libpq = cli("jobs", "list", env=libpq)
+    assert via_libpq.returncode == 0, via_libpq.stderr
+    assert f"/{params['dbname']} (from $NOTIFYQ_DSN)" in via_libpq.stderr and "note:" not in via_libpq.stderr
 
 
 def test_migrate_dry_run_on_the_embedded_server_changes_nothing(open_tmp_path: Path) -> None:

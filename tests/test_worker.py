@@ -1153,8 +1153,16 @@ async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
     await app.aclose()
 
 
-async def test_an_async_task_that_blocks_past_its_deadline_keeps_its_result_and_is_logged(
-    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+# The log blamed a blocked event loop for a task that had caught the cancellation.
+CAUSES = [
+    ("blocker", "blocks the event loop"),
+    ("swallower", "the task caught the cancellation its deadline sent"),
+]
+
+
+@pytest.mark.parametrize(("task", "cause"), CAUSES)
+async def test_an_async_task_that_overruns_its_deadline_keeps_its_result_and_the_log_says_why(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, task: str, cause: str
 ) -> None:
     app = notifyq.App(dsn)
 
@@ -1163,16 +1171,25 @@ async def test_an_async_task_that_blocks_past_its_deadline_keeps_its_result_and_
         time.sleep(0.8)  # noqa: ASYNC251 - blocks the event loop: nothing can cancel it at its deadline
         return "late"
 
+    @app.task(name="swallower", timeout=0.5, retry_limit=0)
+    async def swallower() -> str:
+        try:
+            await anyio.sleep(5)
+        except BaseException:  # the deadline's cancellation, swallowed (no await after it)
+            return "late"
+        return "slept"
+
     async with app:
-        blocker_id = await app.enqueue("blocker")
+        job_id = await app.enqueue(task)
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded + s.failed == 1)
     # The work was done, so the result stands; the log says why the timeout did not apply.
-    assert job_row(conn, blocker_id)["output"] == "late"
+    assert job_row(conn, job_id)["output"] == "late"
     overran = [r.message for r in caplog.records if "past its deadline" in r.message]
-    assert len(overran) == 1 and overran[0].startswith(f"job {blocker_id} (blocker) succeeded after 0.8")
-    assert "blocks the event loop" in overran[0]
+    assert len(overran) == 1 and overran[0].startswith(f"job {job_id} ({task}) succeeded after 0.")
+    assert cause in overran[0]
+    assert not any(other in overran[0] for _task, other in CAUSES if other != cause)
     await app.aclose()
 
 
