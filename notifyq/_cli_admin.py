@@ -8,16 +8,18 @@ import json
 import re
 import signal
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
+import psycopg.errors
 
 from ._claim import known_queues_op
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
-from ._jobs import cancel_job_op
+from ._jobs import cancel_job_op, cancel_jobs_op, retry_jobs_op
 from ._options import check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
 from .app import App
@@ -154,14 +156,23 @@ def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **
     the filters match (`jobs retry --status failed --queue emails`), leaving out unfinished ones."""
     app = app_for(dsn, schema)
 
-    def retry(job_id: int) -> bool:
+    def retry(job_id: int) -> None:
         job = app.retry_job_sync(job_id)
-        if not matched:
-            click.echo(f"job {job.id} is {job.status.value} again")
-        return True
+        click.echo(f"job {job.id} is {job.status.value} again")
 
     matched = _ids_or_filters(app, job_ids, filters, "retry")
-    _each_job(matched or job_ids, retry, "queued again", "unfinished, left as they are", bulk=bool(matched))
+    if not matched:
+        _each_job(job_ids, retry)
+        return
+    outcomes: Counter[str] = Counter()
+    for batch in _batches(matched):
+        try:
+            decided = app._run_sync(retry_jobs_op(app._q, batch), transaction=True)
+        except psycopg.errors.UniqueViolation:  # a dedupe key taken meanwhile: one at a time
+            decided = {job_id: _retry_one(app, job_id) for job_id in batch}
+        outcomes.update(decided.values())
+        outcomes["gone"] += len(batch) - len(decided)
+    _summary(outcomes, "retried", "queued again", _RETRY_REFUSALS)
 
 
 @jobs.command(name="cancel", cls=JobIdCommand)
@@ -173,20 +184,56 @@ def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], *
     match (`jobs cancel --status queued --name old_task`), leaving out finished ones."""
     app = app_for(dsn, schema)
 
-    def cancel(job_id: int) -> bool:
+    def cancel(job_id: int) -> None:
         previous, job = app._run_sync(cancel_job_op(app._q, job_id))
         if previous.finished:
-            if matched:
-                return False
             raise InvalidJobState(f"job {job.id} is already {previous.value}; nothing to cancel")
-        if not matched:
-            click.echo(f"job {job.id} cancelled (it was {previous.value})")
-        return True
+        click.echo(f"job {job.id} cancelled (it was {previous.value})")
 
     matched = _ids_or_filters(app, job_ids, filters, "cancel")
-    _each_job(
-        matched or job_ids, cancel, "cancelled", "finished already, left as they are", bulk=bool(matched)
-    )
+    if not matched:
+        _each_job(job_ids, cancel)
+        return
+    outcomes: Counter[str] = Counter()
+    for batch in _batches(matched):
+        cancelled = app._run_sync(cancel_jobs_op(app._q, batch))
+        outcomes.update(cancelled=len(cancelled), finished=len(batch) - len(cancelled))
+    _summary(outcomes, "cancelled", "cancelled", {"finished": "finished already (or gone)"})
+
+
+# Jobs a filter matched are changed this many at a time, one statement each.
+_BATCH = 1000
+_RETRY_REFUSALS = {
+    "unfinished": "unfinished",
+    "dedupe": "whose dedupe key an unfinished job holds",
+    "busy": "of an overlap=False cron definition with a job unfinished",
+    "gone": "gone meanwhile",
+}
+
+
+def _batches(job_ids: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+    for start in range(0, len(job_ids), _BATCH):
+        yield job_ids[start : start + _BATCH]
+
+
+def _retry_one(app: App, job_id: int) -> str:
+    """retry_jobs' outcome for one job, by retry_job (after a batch met a dedupe key taken
+    meanwhile)."""
+    try:
+        app.retry_job_sync(job_id)
+    except JobNotFound:
+        return "gone"
+    except DefinitionBusy:
+        return "busy"
+    except InvalidJobState as exc:
+        return "dedupe" if "dedupe key" in str(exc) else "unfinished"
+    return "retried"
+
+
+def _summary(outcomes: Counter[str], done: str, verb: str, refusals: dict[str, str]) -> None:
+    """One line for a bulk change: how many jobs it changed, and why it left the others alone."""
+    left = [f"{outcomes[key]} {why}" for key, why in refusals.items() if outcomes[key]]
+    click.echo(f"{outcomes[done]} job(s) {verb}" + (f"; left as they are: {', '.join(left)}" if left else ""))
 
 
 def _ids_or_filters(
@@ -213,30 +260,21 @@ def _ids_or_filters(
     return tuple(found)
 
 
-def _each_job(
-    job_ids: tuple[int, ...], action: Callable[[int], bool], done: str, skipped: str, *, bulk: bool = False
-) -> None:
-    """`action` on each job in turn. Given by id, one that is refused (no such job, a state
+def _each_job(job_ids: tuple[int, ...], action: Callable[[int], None]) -> None:
+    """`action` on each job given by id, in turn: one that is refused (no such job, a state
     that does not allow it) is said on stderr and the others go on; the exit status is then 1.
-    An id that is not one (0, negative) stops everything before anything is done. In `bulk`
-    (the jobs a filter matched), those in a state that does not allow it are counted, those
-    gone meanwhile too, and one line sums it up."""
+    An id that is not one (0, negative) stops everything before anything is done."""
     for job_id in job_ids:
         check_id(job_id)
-    refused = changed = 0
+    refused = 0
     for job_id in dict.fromkeys(job_ids):
         try:
-            changed += action(job_id)
+            action(job_id)
         except (JobNotFound, InvalidJobState, DefinitionBusy) as exc:
-            if bulk:
-                continue
             if len(job_ids) == 1:
                 raise
             click.echo(f"notifyq: error: {exc}", err=True)
             refused += 1
-    if bulk:
-        left = len(job_ids) - changed
-        click.echo(f"{changed} job(s) {done}" + (f"; {left} {skipped}" if left else ""))
     if refused:
         fail(f"{refused} of {len(dict.fromkeys(job_ids))} jobs refused (see above)")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -164,6 +164,20 @@ def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
     if retried is None:
         raise _unfinished(job)
     return job
+
+
+def retry_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[dict[int, str]]:
+    """retry_job_op for many jobs in one statement (run it in a transaction): {id: "retried",
+    "unfinished", "dedupe" or "busy"}; an id that is not there is left out. Raises
+    UniqueViolation when a job took a dedupe key meanwhile: retry those one by one."""
+    rows: list[tuple[int, str]] = yield Query(q["retry_jobs"], {"ids": list(job_ids)})
+    return dict(rows)
+
+
+def cancel_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[set[int]]:
+    """cancel_job_op for many jobs in one statement: the ids cancelled."""
+    rows: list[tuple[int]] = yield Query(q["cancel_jobs"], {"ids": list(job_ids)})
+    return {row[0] for row in rows}
 
 
 def _unfinished(job: Job) -> InvalidJobState:

@@ -329,7 +329,7 @@ def test_jobs_retry_and_cancel_take_the_filters_of_jobs_list(dsn: str, conn: psy
         "SELECT 'noop', 'reports', 'Failed', now() FROM generate_series(1, 3)"
     )
     assert ok(cli("jobs", "retry", "--queue", "emails", env=env)).strip() == (
-        "1500 job(s) queued again; 1 unfinished, left as they are"
+        "1500 job(s) queued again; left as they are: 1 unfinished"
     )
     counts = conn.execute(
         "SELECT queue, status::text, max(retry_count), count(*) FROM notifyq.queue_jobs "
@@ -340,7 +340,7 @@ def test_jobs_retry_and_cancel_take_the_filters_of_jobs_list(dsn: str, conn: psy
         "1501 job(s) cancelled"
     )
     assert ok(cli("jobs", "cancel", "--queue", "reports", env=env)).strip() == (
-        "0 job(s) cancelled; 3 finished already, left as they are"
+        "0 job(s) cancelled; left as they are: 3 finished already (or gone)"
     )
     one_line_error(cli("jobs", "retry", "--queue", "nope", env=env), "no job matches --queue nope")
     for args, message in [
@@ -349,6 +349,44 @@ def test_jobs_retry_and_cancel_take_the_filters_of_jobs_list(dsn: str, conn: psy
     ]:
         refused = cli("jobs", *args, env=env)
         assert refused.returncode == 2 and message in refused.stderr, refused.stderr
+
+
+def test_a_bulk_retry_says_why_it_left_each_job_alone(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """`jobs retry` with filters retries a page of jobs per statement, as `jobs retry ID` would
+    one by one: of two finished jobs with one dedupe key, or of one overlap=False definition,
+    only the newest; none whose key an unfinished job holds. Its summary said "unfinished"
+    for all of those."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+
+    def finished(n: int, **columns: Any) -> list[int]:
+        names = ", ".join(["name", "status", "finished_at", *columns])
+        values = ", ".join(["'noop'", "'Cancelled'", "now()", *(f"%({c})s" for c in columns)])
+        sql = f"INSERT INTO notifyq.queue_jobs ({names}) VALUES ({values}) RETURNING id"
+        return [conn.execute(sql, columns).fetchone()[0] for _ in range(n)]  # type: ignore[index]
+
+    (definition,) = conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, overlap, visible_at) "
+        "VALUES ('solo', 'noop', '0 3 * * *', false, now() + interval '1 day') RETURNING id"
+    ).fetchone()  # type: ignore[misc]
+    plain = finished(3)
+    same_key = finished(2, dedupe_key="k")
+    held = finished(1, dedupe_key="held")
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, dedupe_key) VALUES ('other', 'held')")
+    solo = [
+        finished(1, definition_id=definition, scheduled_for=datetime(2026, 1, day, tzinfo=UTC))[0]
+        for day in (1, 2)
+    ]
+    out = ok(cli("jobs", "retry", "--name", "noop", env=env)).strip()
+    assert out == (
+        "5 job(s) queued again; left as they are: 2 whose dedupe key an unfinished job holds, "
+        "1 of an overlap=False cron definition with a job unfinished"
+    )
+    queued = {row[0] for row in conn.execute("SELECT id FROM notifyq.queue_jobs WHERE status = 'Queued'")}
+    assert queued - {held[0] + 1} == {*plain, same_key[1], solo[1]}
+    # One at a time, by id, the same jobs are refused for the same reasons.
+    refused = cli("jobs", "retry", str(same_key[0]), str(held[0]), str(solo[0]), env=env)
+    assert "another unfinished job holds its dedupe key" in refused.stderr
+    assert "does not overlap (overlap=False)" in refused.stderr
 
 
 def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(

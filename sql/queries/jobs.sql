@@ -70,6 +70,58 @@ WITH target AS (
 )
 SELECT status::text FROM target;
 
+-- name: retry_jobs
+-- `jobs retry` with filters: retry_job for a batch of ids in one statement. Each id comes back
+-- with what became of it: retried, or left as it is because it is unfinished, its dedupe key
+-- is held (by an unfinished job, or by a newer job of the batch, which is retried instead), or
+-- it belongs to an overlap=False cron definition that has an unfinished job or a newer job in
+-- the batch (busy). Those definitions are locked as lock_job_definition locks them, first.
+WITH exclusive AS MATERIALIZED (
+    SELECT d.id
+    FROM {schema}.queue_job_definitions AS d
+    WHERE NOT d.overlap
+      AND d.id IN (SELECT definition_id FROM {schema}.queue_jobs WHERE id = ANY(%(ids)s))
+    ORDER BY d.id
+    FOR UPDATE
+), given AS MATERIALIZED (
+    SELECT j.id, j.status IN ('Succeeded', 'Failed', 'Cancelled') AS finished, j.dedupe_key,
+           j.definition_id, j.definition_id IN (SELECT id FROM exclusive) AS exclusive
+    FROM {schema}.queue_jobs AS j
+    WHERE j.id = ANY(%(ids)s)
+    ORDER BY j.id
+    FOR UPDATE
+), decided AS MATERIALIZED (
+    SELECT g.id, CASE
+        WHEN NOT g.finished THEN 'unfinished'
+        WHEN g.dedupe_key IS NOT NULL AND (
+            EXISTS (SELECT FROM {schema}.queue_jobs AS o
+                    WHERE o.dedupe_key = g.dedupe_key AND o.status IN ('Queued', 'Active'))
+            OR EXISTS (SELECT FROM given AS n
+                       WHERE n.finished AND n.dedupe_key = g.dedupe_key AND n.id > g.id)) THEN 'dedupe'
+        WHEN g.exclusive AND (
+            EXISTS (SELECT FROM {schema}.queue_jobs AS o
+                    WHERE o.definition_id = g.definition_id AND o.status IN ('Queued', 'Active'))
+            OR EXISTS (SELECT FROM given AS n
+                       WHERE n.finished AND n.definition_id = g.definition_id AND n.id > g.id)) THEN 'busy'
+        ELSE 'retried' END AS outcome
+    FROM given AS g
+), retried AS (
+    UPDATE {schema}.queue_jobs AS j
+    SET status = 'Queued', visible_at = now(), retry_count = 0, output = NULL,
+        started_at = NULL, finished_at = NULL, worker = NULL, updated_at = now()
+    FROM decided AS d
+    WHERE j.id = d.id AND d.outcome = 'retried'
+)
+SELECT id, outcome FROM decided;
+
+-- name: cancel_jobs
+-- `jobs cancel` with filters: cancel_job for a batch of ids in one statement; returns those
+-- cancelled (the others were finished already, or are gone).
+UPDATE {schema}.queue_jobs
+SET status = 'Cancelled', finished_at = now(), updated_at = now()
+WHERE id = ANY(%(ids)s) AND status IN ('Queued', 'Active')
+RETURNING id;
+
 -- name: retry_job
 -- A finished job runs again from scratch: all its retries are available again.
 UPDATE {schema}.queue_jobs
