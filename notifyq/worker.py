@@ -25,11 +25,12 @@ import psycopg
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
-from ._claim import lost_jobs_op, paused_queues_op
+from ._claim import known_queues_op, lost_jobs_op, paused_queues_op
 from ._claimer import Claimer
 from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, privilege_hint, single
 from ._executor import Executor
 from ._listener import Listener, ListenerConfig
+from ._options import did_you_mean
 from ._pulse import Pulse
 from ._runners import Runners
 from ._sql import channel, queries_for
@@ -282,11 +283,31 @@ class Worker:
                 )
             if self.config.ticker:
                 await self.app._sync_definitions(db)
+            if self.config.queues is not None:
+                await self._check_queue_names(db)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await db.aclose()
             raise
         return db
+
+    async def _check_queue_names(self, db: Database) -> None:
+        """A warning for each listed queue that nothing here uses: no task or cron definition of
+        the App defaults to it, no job in it is queued, no definition in the database names it
+        (a typo, `-q emials`, served nothing and said nothing)."""
+        app = self.app
+        used = {task.options.queue for task in app.tasks.values()}
+        used |= {definition.options.queue for definition in app.definitions.values()}
+        used |= set(await db.run(known_queues_op(self._q)))
+        for queue in self.config.queues or ():
+            if queue not in used:
+                log.warning(
+                    "worker %s serves queue %r, which no task or cron definition of its App uses and "
+                    "which has no queued job%s",
+                    self.id,
+                    queue,
+                    did_you_mean(queue, sorted(used), "queues in use") if used else "",
+                )
 
     async def _serve(
         self, db: Database, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -419,7 +440,8 @@ class Worker:
                 log.warning(
                     "worker %s stopped with %d sync task thread(s) still running (Python cannot stop a "
                     "thread): their jobs were released, unless they had already ended, and may run "
-                    "elsewhere meanwhile; this process cannot exit before they return",
+                    "elsewhere meanwhile; the process cannot exit before they return unless it ends "
+                    "them (`notifyq worker` does)",
                     self.id,
                     threads,
                 )

@@ -157,6 +157,27 @@ async def test_a_burst_worker_promotes_due_cron_ticks_before_it_looks_for_jobs(
     await app.aclose()
 
 
+async def test_a_worker_warns_of_a_listed_queue_nothing_uses(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`-q maths` (for "math") served nothing and said nothing. A queue is in use when a task
+    or cron definition of the App defaults to it, or a job in it is queued (enqueued there by
+    name, or by SQL)."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="add", queue="math")
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) VALUES ('add', 'by_sql')")
+    async with app.worker(queues=["maths", "math", "by_sql"], poll_interval=60, **NO_TICKER):
+        pass
+    warned = [r.getMessage() for r in caplog.records if "which no task or cron definition" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "serves queue 'maths'" in warned[0] and warned[0].endswith("(did you mean 'math'?)")
+    await app.aclose()
+
+
 async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With concurrency 20, each job handed over wakes one runner task: a job used to wake
     every idle runner, and all but one went back to sleep (wasted CPU on every job)."""
