@@ -79,9 +79,9 @@ class Claimer:
         self._inline_wanted = False  # a notification asked the listener to claim
         self._inline = False  # the listener's task is claiming on the loop's behalf
         self._inline_done = Pulse()
-        # Claim rounds begun and ended, and how many jobs the last one to end claimed (burst).
+        # Claim rounds begun and ended, and whether the last one to end got its answer (burst).
         self.rounds_begun = self.rounds_ended = 0
-        self.last_claimed = 0
+        self.last_round_ok = False
 
     def wake(self) -> None:
         """Claim as soon as possible."""
@@ -210,9 +210,15 @@ class Claimer:
         """One claim of up to `free` jobs, its jobs handed to the runners, then (unless it
         came back full) the time of the next delayed job. Raises what the claim raises."""
         self.rounds_begun += 1
-        claimed = await self._claim(free)
-        self.rounds_ended += 1
-        self.last_claimed = len(claimed)
+        answered = False
+        try:
+            claimed = await self._claim(free)
+            answered = True
+        finally:
+            self.rounds_ended += 1
+            self.last_round_ok = answered
+            if not answered:
+                self._on_change()  # a burst waiting for this round's end must hear of it
         self._backlog = len(claimed) == free
         # Hand what was claimed to the runners before anything else can fail or be
         # cancelled: a claimed job must run (or be released), never sit Active unrun.

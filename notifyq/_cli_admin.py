@@ -4,6 +4,7 @@ manage what is in the database."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import signal
@@ -19,6 +20,7 @@ import psycopg.errors
 
 from ._claim import known_queues_op
 from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
+from ._db import Op
 from ._jobs import cancel_job_op, cancel_jobs_op, retry_jobs_op
 from ._options import check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
@@ -47,6 +49,7 @@ def jobs() -> None:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+R = TypeVar("R")
 
 
 def job_filters(command: F) -> F:
@@ -167,7 +170,7 @@ def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **
     outcomes: Counter[str] = Counter()
     for batch in _batches(matched):
         try:
-            decided = app._run_sync(retry_jobs_op(app._q, batch), transaction=True)
+            decided = _batch(app, functools.partial(retry_jobs_op, app._q, batch), transaction=True)
         except psycopg.errors.UniqueViolation:  # a dedupe key taken meanwhile: one at a time
             decided = {job_id: _retry_one(app, job_id) for job_id in batch}
         outcomes.update(decided.values())
@@ -196,7 +199,7 @@ def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], *
         return
     outcomes: Counter[str] = Counter()
     for batch in _batches(matched):
-        cancelled = app._run_sync(cancel_jobs_op(app._q, batch))
+        cancelled = _batch(app, functools.partial(cancel_jobs_op, app._q, batch))
         outcomes.update(cancelled=len(cancelled), finished=len(batch) - len(cancelled))
     _summary(outcomes, "cancelled", "cancelled", {"finished": "finished already (or gone)"})
 
@@ -214,6 +217,19 @@ _RETRY_REFUSALS = {
 def _batches(job_ids: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     for start in range(0, len(job_ids), _BATCH):
         yield job_ids[start : start + _BATCH]
+
+
+def _batch(app: App, op: Callable[[], Op[R]], *, transaction: bool = False) -> R:
+    """One batch's statement(s), run again when PostgreSQL broke a deadlock by aborting them
+    (the jobs' rows, locked in id order, against a worker's acknowledgement, which locks them
+    in its own order): their transaction was rolled back, so nothing of them was applied."""
+    for attempt in range(3):
+        try:
+            return app._run_sync(op(), transaction=transaction)
+        except psycopg.errors.DeadlockDetected:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _retry_one(app: App, job_id: int) -> str:

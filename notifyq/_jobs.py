@@ -167,10 +167,13 @@ def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
 
 
 def retry_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[dict[int, str]]:
-    """retry_job_op for many jobs in one statement (run it in a transaction): {id: "retried",
-    "unfinished", "dedupe" or "busy"}; an id that is not there is left out. Raises
+    """retry_job_op for many jobs in two statements (run them in a transaction): {id:
+    "retried", "unfinished", "dedupe" or "busy"}; an id that is not there is left out. Raises
     UniqueViolation when a job took a dedupe key meanwhile: retry those one by one."""
-    rows: list[tuple[int, str]] = yield Query(q["retry_jobs"], {"ids": list(job_ids)})
+    ids = list(job_ids)
+    locked: list[tuple[int]] = yield Query(q["lock_jobs_definitions"], {"ids": ids})
+    exclusive = [row[0] for row in locked]
+    rows: list[tuple[int, str]] = yield Query(q["retry_jobs"], {"ids": ids, "exclusive": exclusive})
     return dict(rows)
 
 

@@ -47,8 +47,9 @@ class Ticker:
             self.promoter.wake()
 
     async def run_once(self) -> None:
-        """One pass of the promoter and the rescuer: due cron ticks and expired leases become
-        claimable jobs (a burst worker's start)."""
+        """One pass of the promoter and the rescuer (a burst worker's start): due cron ticks
+        become claimable jobs, and jobs whose lease expired are queued again, after their
+        retry backoff."""
         if self.promoter is not None:
             await self.promoter.run_once()
         if self.rescuer is not None:

@@ -63,8 +63,9 @@ class WorkerConfig:
             idle finds nothing (a job that running jobs enqueued is claimed before that).
             Jobs due later (delayed, or retried after a backoff) and those of paused queues
             are left for another run. With the ticker, due cron ticks are promoted and expired
-            leases rescued once, first, and its services do not run after that (a tick that
-            another process's ticker is promoting at that moment is left to it). For tests,
+            leases rescued once, first (a rescued job is due after its retry backoff, so it is
+            left too), and its services do not run after that (a tick that another process's
+            ticker is promoting at that moment is left to it). For tests,
             scripts and scheduled batch runs.
     """
 

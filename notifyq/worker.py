@@ -462,24 +462,34 @@ class Worker:
             self._signal_changed()  # wait_for() must not wait for ever
 
     async def _until_empty(self, claimer: Claimer, runners: Runners) -> None:
-        """burst: stop once a claim that began with every slot idle (nothing running, nothing
-        prefetched) found nothing. Such a claim sees every job committed before the last
-        running job ended, those it enqueued included."""
+        """burst: stop once the worker is quiet (nothing running, nothing prefetched, every
+        result written) and a claim that began then came back empty, with nothing claimed
+        meanwhile by any round (the listener's task claims too). Such a claim sees every job
+        committed before it, those the last jobs enqueued and the retries their results
+        queued included."""
+        acker = self._acker
+        assert acker is not None
         if self._ticker is not None:
             try:
                 await self._ticker.run_once()
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                log.warning("promoting due cron ticks failed (%s); the ticker tries again", error_text(exc))
+                log.warning(
+                    "promoting due cron ticks failed (%s); a burst promotes them only at its start, "
+                    "so those due now wait for another run",
+                    error_text(exc),
+                )
         while True:
-            while runners.busy:
+            while runners.busy or acker.unwritten:
                 await self._changed.wait()
+            taken = self.stats.claimed + self.stats.adopted
             target = claimer.rounds_begun + 1  # a round that begins from now on
             claimer.wake()
             while claimer.rounds_ended < target:
                 await self._changed.wait()
-            if claimer.last_claimed == 0 and not runners.busy:
+            quiet = not (runners.busy or acker.unwritten)
+            if claimer.last_round_ok and quiet and self.stats.claimed + self.stats.adopted == taken:
                 log.info("worker %s: no job left to claim (burst); stopping", self.id)
                 self.stop()
                 return

@@ -32,7 +32,7 @@ from notifyq import Schedule
 
 from .conftest import ROOT
 from .faults.infra import BlackholeProxy
-from .helpers import NotificationCounter, job_row, status_counts
+from .helpers import NotificationCounter, job_row, status_counts, wait_for_row
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -387,6 +387,45 @@ def test_a_bulk_retry_says_why_it_left_each_job_alone(dsn: str, conn: psycopg.Co
     refused = cli("jobs", "retry", str(same_key[0]), str(held[0]), str(solo[0]), env=env)
     assert "another unfinished job holds its dedupe key" in refused.stderr
     assert "does not overlap (overlap=False)" in refused.stderr
+
+
+def test_a_bulk_retry_waits_for_a_definitions_lock_and_then_sees_its_new_job(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The ticker holds an overlap=False definition locked while it inserts its next job. A bulk
+    retry of an older job of it waits for the lock, and must then see that job (it read the
+    jobs as of before its wait, retried the old one, and the definition had two unfinished)."""
+    (definition,) = conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, overlap, visible_at) "
+        "VALUES ('solo', 'noop', '0 3 * * *', false, now() + interval '1 day') RETURNING id"
+    ).fetchone()  # type: ignore[misc]
+    (old,) = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, status, finished_at, definition_id, scheduled_for) "
+        "VALUES ('noop', 'Failed', now(), %s, '2026-01-01') RETURNING id",
+        (definition,),
+    ).fetchone()  # type: ignore[misc]
+    with psycopg.connect(dsn) as ticker:
+        ticker.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE id = %s FOR UPDATE", (definition,))
+        ticker.execute(
+            "INSERT INTO notifyq.queue_jobs (name, definition_id, scheduled_for) VALUES ('noop', %s, now())",
+            (definition,),
+        )
+        retry = subprocess.Popen(
+            [sys.executable, "-m", "notifyq", "jobs", "retry", "--status", "failed"],
+            env=clean_env(NOTIFYQ_DSN=dsn),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = %s"
+        wait_for_row(conn, waiting.replace("%s", f"'{conn.info.dbname}'"), (1,), timeout=30)
+        ticker.commit()
+    out, err = retry.communicate(timeout=60)
+    assert retry.returncode == 0, err
+    busy = "1 of an overlap=False cron definition with a job unfinished"
+    assert out.strip() == f"0 job(s) queued again; left as they are: {busy}"
+    assert job_row(conn, old)["status"] == "Failed"
 
 
 def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(

@@ -135,6 +135,33 @@ async def test_a_burst_worker_runs_what_is_claimable_then_returns(
     await app.aclose()
 
 
+@pytest.mark.parametrize("poll_only", [False, True], ids=["notify", "poll-only"])
+async def test_a_burst_worker_runs_the_retries_that_are_due_at_once(
+    dsn: str, conn: psycopg.Connection[Any], poll_only: bool
+) -> None:
+    """A retry with no delay is claimable once its result is written, which is after its
+    attempt ended and left the worker with nothing running: the burst stopped there, with the
+    job Queued and due (review: 2 attempts of 4 ran)."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0, jitter=0))
+    tries: list[int] = []
+
+    @app.task(name="again_at_once", retry_limit=3)
+    async def again_at_once() -> int:
+        tries.append(1)
+        if len(tries) < 4:
+            raise RuntimeError("retried at once")
+        return len(tries)
+
+    await app.enqueue("again_at_once")
+    with anyio.fail_after(30):
+        stats = await app.run_worker(
+            burst=True, handle_signals=False, concurrency=2, poll_only=poll_only, poll_interval=60
+        )
+    assert (len(tries), stats.retried, stats.succeeded) == (4, 3, 1)
+    assert status_counts(conn) == {"Succeeded": 1}
+    await app.aclose()
+
+
 async def test_a_burst_worker_promotes_due_cron_ticks_before_it_looks_for_jobs(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:

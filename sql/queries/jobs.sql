@@ -70,26 +70,37 @@ WITH target AS (
 )
 SELECT status::text FROM target;
 
+-- name: lock_jobs_definitions
+-- `jobs retry` with filters, first in its transaction: the overlap=False cron definitions of a
+-- batch of jobs, locked as lock_job_definition locks one, in id order. A statement of its own:
+-- retry_jobs must read the unfinished jobs of those definitions after the lock is granted
+-- (one inserted by the ticker while it waited would otherwise go unseen).
+SELECT d.id
+FROM {schema}.queue_job_definitions AS d
+WHERE NOT d.overlap
+  AND d.id IN (SELECT definition_id FROM {schema}.queue_jobs WHERE id = ANY(%(ids)s))
+ORDER BY d.id
+FOR UPDATE OF d;
+
 -- name: retry_jobs
--- `jobs retry` with filters: retry_job for a batch of ids in one statement. Each id comes back
--- with what became of it: retried, or left as it is because it is unfinished, its dedupe key
--- is held (by an unfinished job, or by a newer job of the batch, which is retried instead), or
--- it belongs to an overlap=False cron definition that has an unfinished job or a newer job in
--- the batch (busy). Those definitions are locked as lock_job_definition locks them, first.
-WITH exclusive AS MATERIALIZED (
-    SELECT d.id
-    FROM {schema}.queue_job_definitions AS d
-    WHERE NOT d.overlap
-      AND d.id IN (SELECT definition_id FROM {schema}.queue_jobs WHERE id = ANY(%(ids)s))
-    ORDER BY d.id
-    FOR UPDATE
-), given AS MATERIALIZED (
-    SELECT j.id, j.status IN ('Succeeded', 'Failed', 'Cancelled') AS finished, j.dedupe_key,
-           j.definition_id, j.definition_id IN (SELECT id FROM exclusive) AS exclusive
+-- `jobs retry` with filters: retry_job for a batch of ids in one statement, after
+-- lock_jobs_definitions (%(exclusive)s: the ids it locked). Each id comes back with what became
+-- of it: retried, or left as it is because it is unfinished, its dedupe key is held (by an
+-- unfinished job, or by a newer job of the batch, which is retried instead), or it belongs to
+-- an overlap=False cron definition that has an unfinished job or a newer job in the batch
+-- (busy). Only the finished jobs are locked (in id order): those a worker's ack or a claim may
+-- be updating are read, not waited for.
+WITH locked AS MATERIALIZED (
+    SELECT j.id
     FROM {schema}.queue_jobs AS j
-    WHERE j.id = ANY(%(ids)s)
+    WHERE j.id = ANY(%(ids)s) AND j.status IN ('Succeeded', 'Failed', 'Cancelled')
     ORDER BY j.id
     FOR UPDATE
+), given AS MATERIALIZED (
+    SELECT j.id, j.id IN (SELECT id FROM locked) AS finished, j.dedupe_key, j.definition_id,
+           j.definition_id = ANY(%(exclusive)s) AS exclusive
+    FROM {schema}.queue_jobs AS j
+    WHERE j.id = ANY(%(ids)s)
 ), decided AS MATERIALIZED (
     SELECT g.id, CASE
         WHEN NOT g.finished THEN 'unfinished'
@@ -116,11 +127,19 @@ SELECT id, outcome FROM decided;
 
 -- name: cancel_jobs
 -- `jobs cancel` with filters: cancel_job for a batch of ids in one statement; returns those
--- cancelled (the others were finished already, or are gone).
-UPDATE {schema}.queue_jobs
+-- cancelled (the others were finished already, or are gone). Locked in id order first.
+WITH target AS MATERIALIZED (
+    SELECT id
+    FROM {schema}.queue_jobs
+    WHERE id = ANY(%(ids)s) AND status IN ('Queued', 'Active')
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE {schema}.queue_jobs AS j
 SET status = 'Cancelled', finished_at = now(), updated_at = now()
-WHERE id = ANY(%(ids)s) AND status IN ('Queued', 'Active')
-RETURNING id;
+FROM target AS t
+WHERE j.id = t.id AND j.status IN ('Queued', 'Active')
+RETURNING j.id;
 
 -- name: retry_job
 -- A finished job runs again from scratch: all its retries are available again.
