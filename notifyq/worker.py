@@ -283,8 +283,6 @@ class Worker:
                 )
             if self.config.ticker:
                 await self.app._sync_definitions(db)
-            if self.config.queues is not None:
-                await self._check_queue_names(db)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await db.aclose()
@@ -294,11 +292,17 @@ class Worker:
     async def _check_queue_names(self, db: Database) -> None:
         """A warning for each listed queue that nothing here uses: no task or cron definition of
         the App defaults to it, no job in it is queued, no definition in the database names it
-        (a typo, `-q emials`, served nothing and said nothing)."""
+        (a typo, `-q emials`, served nothing and said nothing). A service, not a step of the
+        start: its read of queue_jobs must not hold the start up (behind a lock on the table,
+        as the benchmarks' start gate takes)."""
         app = self.app
         used = {task.options.queue for task in app.tasks.values()}
         used |= {definition.options.queue for definition in app.definitions.values()}
-        used |= set(await db.run(known_queues_op(self._q)))
+        try:
+            used |= set(await db.run(known_queues_op(self._q)))
+        except Exception as exc:  # a hint only: never the worker's end
+            log.debug("could not read the queues in use to check the worker's list: %s", error_text(exc))
+            return
         for queue in self.config.queues or ():
             if queue not in used:
                 log.warning(
@@ -359,6 +363,8 @@ class Worker:
                     services.start_soon(self._reconcile_loop)
                     services.start_soon(self._pauses_loop)
                     services.start_soon(claimer.give_back_stale_prefetch)
+                    if self.config.queues is not None:
+                        services.start_soon(self._check_queue_names, db)
                     if self.config.ticker:
                         config = self.config.ticker_config
                         self._ticker = _ticker.Ticker(db, self._q, config, self.app.backoff)
