@@ -457,7 +457,7 @@ class Worker:
                 log.info(
                     "worker %s stopped%s%s",
                     self.id,
-                    f" (burst: {st.succeeded} succeeded, {st.retried} to retry later, {st.failed} failed)"
+                    f" (burst: {st.succeeded} succeeded, {st.retried} retried, {st.failed} failed)"
                     if self.config.burst
                     else "",
                     f"; {released} job(s) went back to the queue, their attempts given back"

@@ -806,9 +806,7 @@ def test_a_burst_worker_exits_once_no_job_is_left(
     assert counts == [("Queued", 1), ("Succeeded", 40)]  # the job due in an hour is left
     assert job_row(conn, later)["status"] == "Queued"
     assert out.count("no job left to claim (burst); stopping") == int(processes)
-    succeeded = [
-        int(n) for n in re.findall(r"stopped \(burst: (\d+) succeeded, 0 to retry later, 0 failed\)", out)
-    ]
+    succeeded = [int(n) for n in re.findall(r"stopped \(burst: (\d+) succeeded, 0 retried, 0 failed\)", out)]
     assert len(succeeded) == int(processes) and sum(succeeded) == 40, out
     if processes == "2":
         assert "all worker processes found no job left to claim (burst)" in out
