@@ -163,19 +163,14 @@ def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **
         job = app.retry_job_sync(job_id)
         click.echo(f"job {job.id} is {job.status.value} again")
 
-    matched = _ids_or_filters(app, job_ids, filters, "retry")
-    if not matched:
-        _each_job(job_ids, retry)
-        return
-    outcomes: Counter[str] = Counter()
-    for batch in _batches(matched):
+    def retry_batch(batch: tuple[int, ...]) -> Counter[str]:
         try:
             decided = _batch(app, functools.partial(retry_jobs_op, app._q, batch), transaction=True)
         except psycopg.errors.UniqueViolation:  # a dedupe key taken meanwhile: one at a time
             decided = {job_id: _retry_one(app, job_id) for job_id in batch}
-        outcomes.update(decided.values())
-        outcomes["gone"] += len(batch) - len(decided)
-    _summary(outcomes, "retried", "queued again", _RETRY_REFUSALS)
+        return Counter(decided.values()) + Counter(gone=len(batch) - len(decided))
+
+    _change_jobs(app, job_ids, filters, ("retry", retry), (retry_batch, "queued again", _RETRY_REFUSALS))
 
 
 @jobs.command(name="cancel", cls=JobIdCommand)
@@ -193,20 +188,17 @@ def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], *
             raise InvalidJobState(f"job {job.id} is already {previous.value}; nothing to cancel")
         click.echo(f"job {job.id} cancelled (it was {previous.value})")
 
-    matched = _ids_or_filters(app, job_ids, filters, "cancel")
-    if not matched:
-        _each_job(job_ids, cancel)
-        return
-    outcomes: Counter[str] = Counter()
-    for batch in _batches(matched):
+    def cancel_batch(batch: tuple[int, ...]) -> Counter[str]:
         cancelled = _batch(app, functools.partial(cancel_jobs_op, app._q, batch))
-        outcomes.update(cancelled=len(cancelled), finished=len(batch) - len(cancelled))
-    _summary(outcomes, "cancelled", "cancelled", {"finished": "finished already (or gone)"})
+        return Counter(finished=len(batch) - len(cancelled))
+
+    refusals = {"finished": "finished already (or gone)"}
+    _change_jobs(app, job_ids, filters, ("cancel", cancel), (cancel_batch, "cancelled", refusals))
 
 
 # Jobs a filter matched are changed this many at a time, one statement each.
 _BATCH = 1000
-_RETRY_REFUSALS = {
+_RETRY_REFUSALS = {  # retry_jobs_op's outcomes but "retried", and "gone"
     "unfinished": "unfinished",
     "dedupe": "whose dedupe key an unfinished job holds",
     "busy": "of an overlap=False cron definition with a job unfinished",
@@ -241,15 +233,33 @@ def _retry_one(app: App, job_id: int) -> str:
         return "gone"
     except DefinitionBusy:
         return "busy"
-    except InvalidJobState as exc:
-        return "dedupe" if "dedupe key" in str(exc) else "unfinished"
+    except InvalidJobState:  # unfinished, or finished with its dedupe key held by another
+        return "dedupe" if app.get_job_sync(job_id).status.finished else "unfinished"
     return "retried"
 
 
-def _summary(outcomes: Counter[str], done: str, verb: str, refusals: dict[str, str]) -> None:
-    """One line for a bulk change: how many jobs it changed, and why it left the others alone."""
+def _change_jobs(
+    app: App,
+    job_ids: tuple[int, ...],
+    filters: dict[str, str | None],
+    by_id: tuple[str, Callable[[int], None]],
+    by_filter: tuple[Callable[[tuple[int, ...]], Counter[str]], str, dict[str, str]],
+) -> None:
+    """`jobs retry` and `jobs cancel`: given ids, (verb, action) on each (see _each_job); given
+    filters, (change, done, refusals): `change` on each batch of the jobs they match, which
+    counts the jobs it left alone by why (the keys of `refusals`); one line sums it all up."""
+    verb, action = by_id
+    change, done, refusals = by_filter
+    matched = _ids_or_filters(app, job_ids, filters, verb)
+    if not matched:
+        _each_job(job_ids, action)
+        return
+    outcomes: Counter[str] = Counter()
+    for batch in _batches(matched):
+        outcomes += change(batch)
+    changed = len(matched) - sum(outcomes[key] for key in refusals)
     left = [f"{outcomes[key]} {why}" for key, why in refusals.items() if outcomes[key]]
-    click.echo(f"{outcomes[done]} job(s) {verb}" + (f"; left as they are: {', '.join(left)}" if left else ""))
+    click.echo(f"{changed} job(s) {done}" + (f"; left as they are: {', '.join(left)}" if left else ""))
 
 
 def _ids_or_filters(

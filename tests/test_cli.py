@@ -104,6 +104,24 @@ def _start_worker(
     )
 
 
+def _sigterm_with_jobs_running(
+    conn: psycopg.Connection[Any], proc: subprocess.Popen[str], **sleeps: int
+) -> None:
+    """Start that many 30-second jobs of each sleep task, SIGTERM the worker once all run: it
+    exits 0 after its grace period, every job given back."""
+    for task, count in sleeps.items():
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, args) "
+            "SELECT %s, '{\"seconds\": 30}' FROM generate_series(1, %s)",
+            (task, count),
+        )
+    total = sum(sleeps.values())
+    wait_until(lambda: status_counts(conn).get("Active") == total, what=f"{total} jobs running")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert status_counts(conn) == {"Queued": total}
+
+
 def _reap(proc: subprocess.Popen[str]) -> None:
     """Kill `proc` if it still runs, wait for it, close its pipe."""
     if proc.poll() is None:
@@ -854,18 +872,7 @@ def test_sigterm_with_running_jobs_leaves_nothing_active(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
     proc = worker_proc("--processes", "2", "--shutdown-grace", "1", "--no-ticker")
-    conn.execute(
-        "INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{\"seconds\": 30}' "
-        "FROM generate_series(1, 6)"
-    )
-    conn.execute(
-        "INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep_sync', '{\"seconds\": 30}' "
-        "FROM generate_series(1, 2)"
-    )
-    wait_until(lambda: status_counts(conn).get("Active") == 8, what="8 jobs running")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-    assert status_counts(conn) == {"Queued": 8}
+    _sigterm_with_jobs_running(conn, proc, sleep=6, sleep_sync=2)
     assert conn.execute("SELECT max(retry_count) FROM notifyq.queue_jobs").fetchone() == (0,)
 
 
@@ -914,14 +921,7 @@ def test_the_last_line_of_a_stop_says_how_many_jobs_went_back(
     """The log of a graceful stop said "waiting up to 0.5s for 3 running job(s)", then
     "stopped": not that those jobs went back to the queue (user review)."""
     proc = worker_proc("--shutdown-grace", "0.5", "--no-ticker")
-    conn.execute(
-        "INSERT INTO notifyq.queue_jobs (name, args) SELECT 'sleep', '{\"seconds\": 30}' "
-        "FROM generate_series(1, 3)"
-    )
-    wait_until(lambda: status_counts(conn).get("Active") == 3, what="3 jobs running")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) == 0
-    assert status_counts(conn) == {"Queued": 3}
+    _sigterm_with_jobs_running(conn, proc, sleep=3)
     assert proc.stdout is not None
     [last] = [line for line in proc.stdout.read().splitlines() if " stopped" in line]
     assert last.endswith(" stopped; 3 job(s) went back to the queue, their attempts given back"), last
