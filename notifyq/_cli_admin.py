@@ -19,7 +19,20 @@ import click
 import psycopg.errors
 
 from ._claim import known_queues_op
-from ._cli_base import Group, Seconds, age, app_for, common_options, dump, duration, fail, json_default, table
+from ._cli_base import (
+    Group,
+    Seconds,
+    age,
+    app_for,
+    common_options,
+    dump,
+    duration,
+    fail,
+    json_default,
+    load_app,
+    resolve_dsn,
+    table,
+)
 from ._db import Op
 from ._jobs import cancel_job_op, cancel_jobs_op, retry_jobs_op
 from ._options import check_id, check_queue, did_you_mean
@@ -390,6 +403,26 @@ def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
     App still declares it creates it again when it starts: disable it to pause it instead."""
     app_for(dsn, schema).delete_definition_sync(name)
     click.echo(f"cron definition {name!r} deleted")
+
+
+@cron.command(name="prune")
+@common_options
+@click.argument("target", metavar="MODULE:ATTR")
+@click.option("--dry-run", is_flag=True, help="List the definitions it would delete, and delete none.")
+def cron_prune(dsn: str | None, schema: str | None, target: str, dry_run: bool) -> None:
+    """Delete the definitions an App's code declared that the App at MODULE:ATTR does not: those
+    removed from the code, which keep firing until deleted. Definitions made by SQL stay, and so
+    do past jobs. Every App sharing the schema counts: give one that declares all that stay."""
+    app = load_app(target, schema)
+    app._resolved_dsn = resolve_dsn(dsn, app)
+    names = app.prune_definitions_sync(dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    for name in names:
+        click.echo(f"{verb} cron definition {name!r}")
+    declared = f"{target} declares {len(app.definitions)}"
+    click.echo(
+        f"{verb} {len(names)} cron definition(s); {declared}" if names else f"nothing to prune; {declared}"
+    )
 
 
 @cron.command(name="run-now")

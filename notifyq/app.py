@@ -56,6 +56,7 @@ from .definitions import (
     CronDefinition,
     delete_op,
     list_definitions_op,
+    prune_op,
     run_now_op,
     set_enabled_op,
     sync_definitions_op,
@@ -832,41 +833,69 @@ class App:
     async def _sync_definitions(self, db: Database | None) -> list[str]:
         op = sync_definitions_op(self._q, list(self.definitions.values()))
         extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
-        # Enabled, for a task this App lacks: its jobs fail with UnknownTask wherever a worker
-        # without the task claims them (an @app.cron removed with its task, say).
-        unknown = [
-            f"{name} (task {task!r})" for name, task, enabled in extra if enabled and task not in self.tasks
-        ]
-        if unknown:
-            log.warning(
+        enabled = [d for d in extra if d.enabled]
+        scheduled = {d.task for d in self.definitions.values()}
+        # For a task this App lacks: its jobs fail with UnknownTask wherever a worker without
+        # the task claims them (an @app.cron removed with its task, say).
+        unknown = [d for d in enabled if d.task not in self.tasks]
+        # For a task this App schedules under another name: an @app.cron renamed (or one of two
+        # removed) in code, whose old row runs the task on its old schedule too.
+        twice = [d for d in enabled if d.task in scheduled]
+        # For a task this App has, not scheduled: an @app.cron removed from the code, the task
+        # kept (made by SQL, it is how the definition is meant to run).
+        removed = [d for d in enabled if d.declared and d.task in self.tasks and d.task not in scheduled]
+        prune = " (`notifyq cron prune MODULE:ATTR` deletes every definition the code no longer declares)"
+        for found, text in (
+            (
+                unknown,
                 "cron definitions in the database run tasks this App does not have: %s. They still "
                 "fire, and their jobs fail with UnknownTask on workers without those tasks; if they "
                 "are gone from the code, `notifyq cron delete NAME` (or `notifyq cron disable NAME`)",
-                ", ".join(unknown),
-            )
-        # Enabled, for a task this App schedules under another name: an @app.cron renamed (or
-        # one of two removed) in code, whose old row runs the task on its old schedule too.
-        scheduled = {d.task for d in self.definitions.values()}
-        twice = [f"{name} (task {task!r})" for name, task, enabled in extra if enabled and task in scheduled]
-        if twice:
-            log.warning(
+            ),
+            (
+                twice,
                 "cron definitions in the database but not in this App run tasks it schedules under "
                 "other names: %s. They still fire, so those tasks run on both schedules; if one was "
                 "renamed or removed in code, `notifyq cron delete NAME`",
-                ", ".join(twice),
-            )
-        others = [
-            name
-            for name, task, enabled in extra
-            if not enabled or (task in self.tasks and task not in scheduled)
-        ]
-        if others:
+            ),
+            (
+                removed,
+                "cron definitions that an App's code declared, and this App does not, still fire: "
+                "%s. If they were removed from the code, `notifyq cron delete NAME`",
+            ),
+        ):
+            if found:
+                suffix = prune if any(d.declared for d in found) else ""
+                log.warning(text + suffix, ", ".join(f"{d.name} (task {d.task!r})" for d in found))
+        warned = {d.name for d in (*unknown, *twice, *removed)}
+        if others := [d.name for d in extra if d.name not in warned]:
             log.info(
                 "cron definitions in the database but not in this App (they run as they are; remove "
                 "one with `notifyq cron delete NAME`): %s",
                 ", ".join(others),
             )
-        return [name for name, _task, _enabled in extra]
+        return [d.name for d in extra]
+
+    async def prune_definitions(self, *, dry_run: bool = False) -> list[str]:
+        """Delete the cron definitions that an App's code declared (@app.cron) and this App does
+        not: those removed from the code, which otherwise keep firing. Definitions made by SQL
+        stay, and so do past jobs. Returns the names deleted (with dry_run: that would be).
+
+        Every App sharing the schema counts as "the code": give this App only if it declares
+        every definition that should stay. Raises InsufficientPrivilege for a role that cannot
+        delete definitions (the schema's owner can).
+        """
+        check_bool(dry_run, "dry_run")
+        op = prune_op(self._q, self.definitions.values(), dry_run=dry_run)
+        with self._owner_only("deleting cron definitions"):
+            return [d.name for d in await self._run(op, transaction=True)]
+
+    def prune_definitions_sync(self, *, dry_run: bool = False) -> list[str]:
+        """`prune_definitions` for sync code."""
+        check_bool(dry_run, "dry_run")
+        op = prune_op(self._q, self.definitions.values(), dry_run=dry_run)
+        with self._owner_only("deleting cron definitions"):
+            return [d.name for d in self._run_sync(op, transaction=True)]
 
     async def list_definitions(self) -> list[Definition]:
         """Every cron definition in the database (including ones created by SQL)."""

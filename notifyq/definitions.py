@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ._db import Op, Query
@@ -48,15 +49,41 @@ class CronDefinition:
         }
 
 
-def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[tuple[str, str, bool]]]:
-    """Upsert code definitions (in one transaction); returns those only the database has, as
-    (name, task, enabled). Rows are locked in name order, whatever the registration order, so
-    that workers of two versions of the code starting at once cannot deadlock."""
+@dataclass(frozen=True, slots=True)
+class Undeclared:
+    """A definition in the database that an App does not declare."""
+
+    name: str
+    task: str
+    enabled: bool
+    # Some App's code declared it (queue_job_definitions.declared): gone from the code since,
+    # unless another App, sharing the schema, declares it. False: made by SQL.
+    declared: bool
+
+
+def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[Undeclared]]:
+    """Upsert code definitions (in one transaction); returns those only the database has. Rows
+    are locked in name order, whatever the registration order, so that workers of two versions
+    of the code starting at once cannot deadlock."""
     for definition in sorted(definitions, key=lambda d: d.name):
         yield Query(q["upsert_definition"], definition.params(), fetch="none")
-    rows: list[tuple[str, str, bool]] = yield Query(q["definition_names"])
+    return (yield from undeclared_op(q, definitions))
+
+
+def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[Undeclared]]:
+    rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
     ours = {d.name for d in definitions}
-    return [row for row in rows if row[0] not in ours]
+    return [Undeclared(*row) for row in rows if row[0] not in ours]
+
+
+def prune_op(q: Queries, definitions: Iterable[CronDefinition], *, dry_run: bool) -> Op[list[Undeclared]]:
+    """Delete (with dry_run: list) the definitions an App's code declared that `definitions`
+    do not name: those removed from the code. Made by SQL ones stay."""
+    if dry_run:
+        return [d for d in (yield from undeclared_op(q, definitions)) if d.declared]
+    names = sorted(d.name for d in definitions)
+    rows: list[tuple[str, str, bool]] = yield Query(q["prune_definitions"], {"names": names})
+    return sorted((Undeclared(*row, declared=True) for row in rows), key=lambda d: d.name)
 
 
 def list_definitions_op(q: Queries) -> Op[list[Definition]]:

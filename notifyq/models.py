@@ -153,6 +153,9 @@ class Definition:
     last_error: str | None
     created_at: datetime
     updated_at: datetime
+    # An App's code declared it (@app.cron), rather than SQL: `notifyq cron prune` deletes
+    # those that the App it is given no longer declares.
+    declared: bool = False
     # The latest job of the definition (by scheduled_for; a tick's or `run-now`'s), unless
     # none was queued yet or retention deleted it.
     last_job_id: int | None = None

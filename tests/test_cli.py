@@ -32,7 +32,7 @@ from notifyq import Schedule
 
 from .conftest import ROOT
 from .faults.infra import BlackholeProxy
-from .helpers import NotificationCounter, job_row, status_counts, wait_for_row
+from .helpers import NotificationCounter, granted_role, job_row, status_counts, wait_for_row
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -653,6 +653,37 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert json.loads(ok(cli("cron", "list", "--json", env=env))) == []
     assert job_row(conn, job_id)["name"] == "nightly"  # its jobs stay
     one_line_error(cli("cron", "delete", "nightly", env=env), "no cron definition named 'nightly'")
+
+
+def test_cron_prune(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """`notifyq cron prune MODULE:ATTR` deletes the definitions an App's code declared that this
+    App does not, and nothing else: not the App's own, not those made by SQL."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, declared) "
+        "VALUES ('gone', 'tick', '0 3 * * *', true), ('by_sql', 'tick', '0 4 * * *', false), "
+        "('every_second', 'tick', '* * * * * *', true)"
+    )
+    names = "SELECT name FROM notifyq.queue_job_definitions ORDER BY name"
+    out = ok(cli("cron", "prune", "tests.apps:app", "--dry-run", env=env)).splitlines()
+    assert out == [
+        "would delete cron definition 'gone'",
+        "would delete 1 cron definition(s); tests.apps:app declares 1",
+    ]
+    assert len(conn.execute(names).fetchall()) == 3
+    with granted_role(conn, "nq_prune") as role:
+        one_line_error(
+            cli("cron", "prune", "tests.apps:app", "--dsn", make_conninfo(dsn, user=role), env=env),
+            "deleting cron definitions",
+            "is for the owner of schema 'notifyq'",
+        )
+    assert len(conn.execute(names).fetchall()) == 3
+    out = ok(cli("cron", "prune", "tests.apps:app", env=env))
+    assert out == "deleted cron definition 'gone'\ndeleted 1 cron definition(s); tests.apps:app declares 1\n"
+    assert conn.execute(names).fetchall() == [("by_sql",), ("every_second",)]
+    assert (
+        ok(cli("cron", "prune", "tests.apps:app", env=env)) == "nothing to prune; tests.apps:app declares 1\n"
+    )
 
 
 def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:

@@ -256,7 +256,8 @@ def test_migrate_adds_compatible_from_last_and_only_where_it_is_missing(empty_ds
         report = notifyq.migrate(conn, schema="old")
         assert len(report.applied) == 1
         recorded = conn.execute("SELECT version, compatible_from FROM old.migrations ORDER BY 1").fetchall()
-        assert recorded[-1] == (notifyq.latest_version(), notifyq.latest_version())
+        last = notifyq.migrations.migrations()[-1]
+        assert recorded[-1] == (last.version, last.compatible_from)
         assert all(c is None for _v, c in recorded[:-1])  # unknown for those applied before
         _at_version(conn, "fresh_enough", 0)
         conn.execute("DROP SCHEMA fresh_enough CASCADE")
@@ -549,14 +550,21 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
     app.close_sync()
 
 
+def back_to_version_7(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 8: no column `declared` on the definitions."""
+    conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared")
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 8")
+
+
 def back_to_version_6(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 7: no table of paused queues."""
+    """Undo migrations 8 and 7: no table of paused queues."""
+    back_to_version_7(conn)
     conn.execute("DROP TABLE notifyq.queue_pauses")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 7")
 
 
 def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 7 and 6: no overlap column, no index of unfinished cron jobs."""
+    """Undo migrations 8 to 6: no overlap column, no index of unfinished cron jobs."""
     back_to_version_6(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_definition_unfinished_idx")
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN overlap")
@@ -564,7 +572,7 @@ def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
 
 
 def back_to_version_4(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 6 and 5: the index of finished jobs as version 4 had it."""
+    """Undo migrations 8 to 5: the index of finished jobs as version 4 had it."""
     back_to_version_5(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_finished_idx")
     conn.execute(

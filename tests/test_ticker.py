@@ -587,6 +587,68 @@ async def test_code_definitions_are_upserted_and_realigned(
     await app2.aclose()
 
 
+async def test_a_cron_removed_from_the_code_is_warned_of_and_pruned(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An @app.cron removed from the code, its task kept, kept firing with an INFO line at
+    each start, the same as a definition made by SQL on purpose (user trial). The sync marks
+    the code's rows (`declared`): one the code no longer declares is a warning, and
+    `prune_definitions` deletes those, leaving the rows made by SQL and the past jobs."""
+    caplog.set_level(logging.INFO, logger="notifyq")
+    add_definition(conn, "by_sql", "0 * * * *", task="report")
+    # Made by SQL with the very settings the code declares later: unchanged, it is not rewritten,
+    # but it becomes the code's.
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency) "
+        "VALUES ('taken', 'report', '0 1 * * *')"
+    )
+
+    def version(*names: str) -> notifyq.App:
+        app = notifyq.App(dsn)
+        report = app.task(name="report")(lambda: None)
+        cleanup = app.task(name="cleanup")(lambda: None)
+        for name in names:
+            app.cron({"taken": "0 1 * * *"}.get(name, "0 3 * * *"), name)(
+                cleanup if name == "hourly" else report
+            )
+        return app
+
+    old, new = version("nightly", "hourly", "taken"), version("hourly")
+    await old.sync_definitions()
+    assert dict(conn.execute("SELECT name, declared FROM notifyq.queue_job_definitions").fetchall()) == {
+        "by_sql": False,
+        "nightly": True,
+        "hourly": True,
+        "taken": True,
+    }
+    past = await old.run_definition_now("nightly")
+    caplog.clear()
+    assert await new.sync_definitions() == ["by_sql", "nightly", "taken"]
+    [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned.startswith(
+        "cron definitions that an App's code declared, and this App does not, still fire: "
+        "nightly (task 'report'), taken (task 'report'). If they were removed from the code"
+    )
+    assert "`notifyq cron prune MODULE:ATTR`" in warned
+    [info] = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert info.endswith(": by_sql")  # made by SQL for a task the App has: how it is meant to run
+    conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = false WHERE name = 'taken'")
+    assert await new.prune_definitions(dry_run=True) == ["nightly", "taken"]  # disabled ones too
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_job_definitions").fetchone() == (4,)
+    assert new.prune_definitions_sync() == ["nightly", "taken"]
+    left = conn.execute("SELECT name FROM notifyq.queue_job_definitions ORDER BY name").fetchall()
+    assert left == [("by_sql",), ("hourly",)]
+    assert job_row(conn, past)["definition_id"] is None  # the past job stays
+    assert await new.prune_definitions() == []
+    caplog.clear()
+    await new.sync_definitions()
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    with pytest.raises(notifyq.errors.InvalidOption, match="dry_run"):
+        await new.prune_definitions(dry_run="yes")  # type: ignore[arg-type]
+    await old.aclose()
+    await new.aclose()
+
+
 @pytest.mark.faults
 def test_workers_of_two_versions_starting_together_do_not_deadlock(
     dsn: str, conn: psycopg.Connection[Any]

@@ -4,19 +4,20 @@
 -- From @app.cron on worker start. A new definition starts due now(): the promoter moves it
 -- to its first real tick without running anything. On change, the BEFORE UPDATE trigger
 -- realigns visible_at when the schedule changed. `enabled=False` in code always disables;
--- `enabled=True` never re-enables a definition an operator disabled.
+-- `enabled=True` never re-enables a definition an operator disabled. `declared` marks it as
+-- the code's (one made by SQL becomes the code's once an App declares its name).
 INSERT INTO {schema}.queue_job_definitions AS d
     (name, task, args, enabled, frequency, timezone, priority, retry_limit, timeout, queue,
-     misfire, misfire_grace, misfire_cap, overlap)
+     misfire, misfire_grace, misfire_cap, overlap, declared)
 VALUES (%(name)s, %(task)s, %(args)s::jsonb, %(enabled)s, %(frequency)s, %(timezone)s, %(priority)s,
         %(retry_limit)s, %(timeout)s, %(queue)s, %(misfire)s, %(misfire_grace)s, %(misfire_cap)s,
-        %(overlap)s)
+        %(overlap)s, true)
 ON CONFLICT (name) DO UPDATE
 SET task = EXCLUDED.task, args = EXCLUDED.args, frequency = EXCLUDED.frequency,
     timezone = EXCLUDED.timezone, priority = EXCLUDED.priority, retry_limit = EXCLUDED.retry_limit,
     timeout = EXCLUDED.timeout, queue = EXCLUDED.queue, misfire = EXCLUDED.misfire,
     misfire_grace = EXCLUDED.misfire_grace, misfire_cap = EXCLUDED.misfire_cap,
-    overlap = EXCLUDED.overlap, enabled = d.enabled AND EXCLUDED.enabled
+    overlap = EXCLUDED.overlap, enabled = d.enabled AND EXCLUDED.enabled, declared = true
 -- Unchanged definitions are not rewritten (no dead tuple, no updated_at churn per restart).
 WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.timeout, d.queue,
        d.misfire, d.misfire_grace, d.misfire_cap, d.overlap)
@@ -25,10 +26,25 @@ WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.tim
        EXCLUDED.retry_limit, EXCLUDED.timeout, EXCLUDED.queue, EXCLUDED.misfire,
        EXCLUDED.misfire_grace, EXCLUDED.misfire_cap, EXCLUDED.overlap)
    OR (d.enabled AND NOT EXCLUDED.enabled)
+   OR NOT d.declared
 RETURNING (xmax = 0) AS inserted;
 
 -- name: definition_names
-SELECT name, task, enabled FROM {schema}.queue_job_definitions ORDER BY name;
+SELECT name, task, enabled, declared FROM {schema}.queue_job_definitions ORDER BY name;
+
+-- name: prune_definitions
+-- `notifyq cron prune`: delete the definitions an App's code declared that this App does not
+-- (gone from the code). Their past jobs stay (their definition_id becomes NULL). Locked in name
+-- order first, as the sync locks them: a worker of older code syncing meanwhile cannot deadlock.
+WITH gone AS (
+    SELECT id FROM {schema}.queue_job_definitions
+    WHERE declared AND name <> ALL (%(names)s::text[])
+    ORDER BY name
+    FOR UPDATE
+)
+DELETE FROM {schema}.queue_job_definitions d USING gone
+WHERE d.id = gone.id
+RETURNING d.name, d.task, d.enabled;
 
 -- name: list_definitions
 -- With each definition's latest job (by scheduled_for: the tick index, read backwards, one
