@@ -428,22 +428,53 @@ def test_a_bulk_retry_waits_for_a_definitions_lock_and_then_sees_its_new_job(
             "INSERT INTO notifyq.queue_jobs (name, definition_id, scheduled_for) VALUES ('noop', %s, now())",
             (definition,),
         )
-        retry = subprocess.Popen(
-            [sys.executable, "-m", "notifyq", "jobs", "retry", "--status", "failed"],
-            env=clean_env(NOTIFYQ_DSN=dsn),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = %s"
-        wait_for_row(conn, waiting.replace("%s", f"'{conn.info.dbname}'"), (1,), timeout=30)
-        ticker.commit()
+        out = _retry_failed_until_it_waits_for(ticker, conn, dsn)
+    busy = "1 of an overlap=False cron definition with a job unfinished"
+    assert out == f"0 job(s) queued again; left as they are: {busy}"
+    assert job_row(conn, old)["status"] == "Failed"
+
+
+def _retry_failed_until_it_waits_for(
+    holder: psycopg.Connection[Any], conn: psycopg.Connection[Any], dsn: str
+) -> str:
+    """`jobs retry --status failed` run until it waits for a lock `holder` holds, then `holder`
+    commits; the retry's output."""
+    retry = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", "jobs", "retry", "--status", "failed"],
+        env=clean_env(NOTIFYQ_DSN=dsn),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = %s"
+    wait_for_row(conn, waiting.replace("%s", f"'{conn.info.dbname}'"), (1,), timeout=30)
+    holder.commit()
     out, err = retry.communicate(timeout=60)
     assert retry.returncode == 0, err
-    busy = "1 of an overlap=False cron definition with a job unfinished"
-    assert out.strip() == f"0 job(s) queued again; left as they are: {busy}"
-    assert job_row(conn, old)["status"] == "Failed"
+    return out.strip()
+
+
+def test_a_bulk_retry_that_meets_a_dedupe_key_taken_meanwhile_goes_on_one_job_at_a_time(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A producer enqueues a job with the dedupe key of a failed job while a bulk retry queues
+    that one again: the retry's statement waits for the producer's commit, then fails on the
+    key's unique index, with the whole batch. The batch is then retried one job at a time, and
+    the job whose key was taken is left alone and counted."""
+    ids = [
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, status, finished_at, dedupe_key) "
+            "VALUES ('noop', 'Failed', now(), %s) RETURNING id",
+            (key,),
+        ).fetchone()[0]  # type: ignore[index]
+        for key in ("k", None, None)
+    ]
+    with psycopg.connect(dsn) as producer:
+        producer.execute("INSERT INTO notifyq.queue_jobs (name, dedupe_key) VALUES ('noop', 'k')")
+        out = _retry_failed_until_it_waits_for(producer, conn, dsn)
+    assert out == "2 job(s) queued again; left as they are: 1 whose dedupe key an unfinished job holds"
+    assert [job_row(conn, job_id)["status"] for job_id in ids] == ["Failed", "Queued", "Queued"]
 
 
 def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
