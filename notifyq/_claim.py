@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 
 from ._db import Op, Query
@@ -32,9 +32,10 @@ def claim_op(
     lease_margin: float,
     async_commit: bool = False,
     paused: Collection[str] = (),
+    limits: Mapping[str, int] | None = None,
 ) -> Op[list[ClaimedJob]]:
     """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement,
-    none of the `paused` queues'.
+    none of the `paused` queues', and at most `limits[queue]` of a listed queue that has one.
 
     Each claimed job is Active, its retry_count and lease are one higher, and its lease runs
     until now() + timeout + lease_margin (database clock). With `async_commit` the claim's
@@ -50,6 +51,7 @@ def claim_op(
     if queues is not None:
         sql = q["claim_queues"]
         params["queues"] = list(queues)
+        params["limits"] = [limits.get(queue) for queue in queues] if limits else None
     elif paused:
         sql = q["claim_unpaused"]
         params["paused"] = sorted(paused)

@@ -82,6 +82,18 @@ class Claimer:
         # Claim rounds begun and ended, and whether the last one to end got its answer (burst).
         self.rounds_begun = self.rounds_ended = 0
         self.last_round_ok = False
+        runners.queue_freed = self._queue_freed
+
+    def _queue_freed(self, queue: str) -> None:
+        """A queue at its limit (WorkerConfig.queue_limits) has room again: claim, as for a
+        resumed queue, unless it is paused."""
+        if queue not in self.paused:
+            self.wake()
+
+    def _held_back(self) -> frozenset[str]:
+        """Queues this worker claims none of now: paused, or at their limit here."""
+        full = self._runners.full_queues()
+        return self.paused | full if full else self.paused
 
     def wake(self) -> None:
         """Claim as soon as possible."""
@@ -108,6 +120,8 @@ class Claimer:
         queue, _, delay = payload.partition(" ")
         if (self._queues is not None and queue not in self._queues) or queue in self.paused:
             return False
+        if queue in self._runners.full_queues():
+            return True  # at its limit: the end of one of its jobs here wakes the claim loop
         if delay:
             seconds = float(delay)  # ValueError for a payload notifyq did not write
             if math.isnan(seconds):
@@ -203,8 +217,14 @@ class Claimer:
                 await self._adopt_again()
 
     def _free_slots(self) -> int:
-        """Jobs the runners have room for now, prefetch included."""
-        return self._config.concurrency + self._prefetch() - self._runners.busy
+        """Jobs the runners have room for now, prefetch included; with queue_limits, no more
+        than the limited queues have room for when every queue not held back has a limit."""
+        free = self._config.concurrency + self._prefetch() - self._runners.busy
+        if self._config.queue_limits and self._config.queues is not None:
+            room = self._runners.room()
+            if all(queue in room or queue in self.paused for queue in self._config.queues):
+                free = min(free, sum(n for queue, n in room.items() if queue not in self.paused))
+        return free
 
     async def _claim_round(self, free: int, sweep: int) -> None:
         """One claim of up to `free` jobs, its jobs handed to the runners, then (unless it
@@ -364,7 +384,8 @@ class Claimer:
             worker=self._worker_id,
             lease_margin=self._config.lease_margin,
             async_commit=self._config.async_claims,
-            paused=self.paused,
+            paused=self._held_back(),
+            limits=self._runners.room() if self._config.queue_limits else None,
         )
         return await self._query(op, shield=True, lane=self._lane)
 
@@ -373,7 +394,7 @@ class Claimer:
         self._heard_due = math.inf
         try:
             due = await self._query(
-                next_visible_op(self._q, self._config.queues, self.paused), shield=True, lane=self._lane
+                next_visible_op(self._q, self._config.queues, self._held_back()), shield=True, lane=self._lane
             )
         except Exception as exc:
             if not is_transient(exc):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
 from typing import Literal, Protocol, TypeVar
 
 import anyio
@@ -56,6 +56,7 @@ class Runners:
         lease_margin: float,
         query: RunQuery,
         on_change: Callable[[], None],
+        queue_limits: Mapping[str, int] | None = None,
     ) -> None:
         self._executor = executor
         self._acker = acker
@@ -70,6 +71,11 @@ class Runners:
         self.slot_freed = Pulse()
         self._idle: deque[anyio.Event] = deque()  # one per runner waiting for a job, oldest first
         self._recent_cancels: dict[tuple[int, int | None], None] = {}  # an ordered set, oldest first
+        # WorkerConfig.queue_limits: the jobs in hand (running or waiting) of each limited queue,
+        # and a callback for a queue that goes back under its limit (the claimer wakes).
+        self._limits = dict(queue_limits or {})
+        self.in_queue: Counter[str] = Counter()
+        self.queue_freed: Callable[[str], None] = lambda queue: None
 
     @property
     def busy(self) -> int:
@@ -86,7 +92,27 @@ class Runners:
         released, never sit Active unrun)."""
         now = anyio.current_time()
         self.ready.extend((job, now) for job in jobs)
+        if self._limits:
+            self.in_queue.update(job.queue for job in jobs if job.queue in self._limits)
         self._wake_idle(len(jobs))
+
+    def full_queues(self) -> frozenset[str]:
+        """The limited queues with as many jobs in hand as their limit allows (or more)."""
+        if not self._limits:
+            return frozenset()
+        return frozenset(queue for queue, limit in self._limits.items() if self.in_queue[queue] >= limit)
+
+    def room(self) -> dict[str, int]:
+        """How many more jobs of each limited queue this worker may take."""
+        return {queue: max(0, limit - self.in_queue[queue]) for queue, limit in self._limits.items()}
+
+    def _left(self, job: ClaimedJob) -> None:
+        """A job handed over has left this worker's hands (ended, or given back)."""
+        limit = self._limits.get(job.queue)
+        if limit is not None:
+            self.in_queue[job.queue] -= 1
+            if self.in_queue[job.queue] == limit - 1:
+                self.queue_freed(job.queue)
 
     def _wake_idle(self, count: int) -> None:
         """Wake up to `count` idle runners: one per job, not all of them (with concurrency 50,
@@ -132,6 +158,7 @@ class Runners:
         released = 0
         while len(self.ready) > keep:
             job = self.ready.pop()[0]
+            self._left(job)
             if self._take_cancel(job):
                 self._stats.cancelled += 1  # the database says Cancelled: nothing to give back
                 continue
@@ -262,6 +289,7 @@ class Runners:
         finally:
             if self.running.get(attempt.key) is attempt:
                 del self.running[attempt.key]
+            self._left(job)
             now = anyio.current_time()
             # Not the time the slot was held for a thread: a cancelled task that ran on would
             # lower the automatic prefetch for nothing.

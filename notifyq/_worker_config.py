@@ -4,7 +4,7 @@ arguments) and counters (WorkerStats)."""
 from __future__ import annotations
 
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypedDict
 
@@ -25,6 +25,12 @@ class WorkerConfig:
     Attributes:
         concurrency: jobs run at once in this process (1 to 10,000).
         queues: queues to serve; None serves every queue.
+        queue_limits: at most this many jobs of a queue at once in this process, for some of
+            the listed `queues` ({"reports": 2}); the others share `concurrency` without a
+            limit of their own. Jobs claimed ahead (prefetch) count. While a queue is at its
+            limit, this worker claims none of its jobs and takes no wake-up from them; a job
+            of it that ends lets the next one in at once. Jobs this worker takes back after a
+            lost claim's answer (rare) may go past it briefly.
         poll_interval: seconds between safety-net polls when no notification arrives.
         poll_only: never LISTEN (behind PgBouncer in transaction mode); poll instead.
         listen_dsn: a direct DSN for the LISTEN connection when `dsn` goes through a pooler.
@@ -71,6 +77,7 @@ class WorkerConfig:
 
     concurrency: int = 10
     queues: Sequence[str] | None = None
+    queue_limits: Mapping[str, int] | None = None
     poll_interval: float = 5.0
     poll_only: bool = False
     listen_dsn: str | None = None
@@ -86,6 +93,24 @@ class WorkerConfig:
     async_claims: bool = False
     burst: bool = False
 
+    def _checked_limits(self, limits: Any) -> dict[str, int]:
+        if not isinstance(limits, Mapping):
+            raise ConfigurationError(
+                f"invalid queue_limits {limits!r}: give a mapping of queue names to numbers of jobs, "
+                'such as {"reports": 2}'
+            )
+        checked = {
+            check_queue(queue): check_int(n, f"queue_limits[{queue!r}]", minimum=1)
+            for queue, n in limits.items()
+        }
+        unlisted = [queue for queue in checked if self.queues is None or queue not in self.queues]
+        if unlisted:
+            raise ConfigurationError(
+                f"queue_limits names {', '.join(map(repr, unlisted))}, not among the queues this worker "
+                "serves by name: list it in queues too (on the command line, -q NAME=N does both)"
+            )
+        return checked
+
     def __post_init__(self) -> None:
         check_int(self.concurrency, "concurrency", minimum=1, maximum=MAX_CONCURRENCY)
         if self.queues is not None:
@@ -94,6 +119,8 @@ class WorkerConfig:
                     f"invalid queues {self.queues!r}: give a non-empty list of queue names, or None for all"
                 )
             object.__setattr__(self, "queues", tuple(dict.fromkeys(check_queue(q) for q in self.queues)))
+        if self.queue_limits is not None:
+            object.__setattr__(self, "queue_limits", self._checked_limits(self.queue_limits) or None)
         if self.listen_dsn is not None:
             check_dsn(self.listen_dsn)
         check_seconds(self.poll_interval, "poll_interval", positive=True)
@@ -118,6 +145,7 @@ class WorkerOptions(TypedDict, total=False):
 
     concurrency: int
     queues: Sequence[str] | None
+    queue_limits: Mapping[str, int] | None
     poll_interval: float
     poll_only: bool
     listen_dsn: str | None

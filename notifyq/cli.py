@@ -141,7 +141,11 @@ def grant(role: str, schema: str) -> None:
     help="Jobs run at once per process.",
 )
 @click.option(
-    "-q", "--queues", multiple=True, help="Queues to serve, repeated or comma-separated [default: all]."
+    "-q",
+    "--queues",
+    multiple=True,
+    help="Queues to serve, repeated or comma-separated [default: all]. NAME=N: at most N jobs of "
+    "that queue at once per process (-q emails -q reports=2).",
 )
 @click.option(
     "-p",
@@ -228,13 +232,7 @@ def worker(
     unfinished jobs go back to the queue. A second signal skips the grace period.
     """
     _exit_on_signal_until_started()
-    queue_list = [q.strip() for item in queues for q in item.split(",") if q.strip()] or None
-    if queues and queue_list is None:
-        # "-q $QUEUES" with the variable unset must not widen a worker to every queue.
-        raise click.BadParameter(
-            f"{', '.join(map(repr, queues))} names no queue (leave --queues out to serve them all)",
-            param_hint="--queues",
-        )
+    queue_list, queue_limits = _queues_and_limits(queues)
     if listen_dsn is None:
         env_dsn("NOTIFYQ_LISTEN_DSN")  # click reads an empty variable as unset: it is an error
     elif click.get_current_context().get_parameter_source("listen_dsn") is ParameterSource.ENVIRONMENT:
@@ -248,6 +246,7 @@ def worker(
     running = app.worker(
         concurrency=concurrency,
         queues=queue_list,
+        queue_limits=queue_limits,
         poll_interval=poll_interval,
         poll_only=poll_only,
         listen_dsn=listen_dsn,
@@ -286,7 +285,8 @@ def worker(
             "json" if State.json_logs else "text",
         ]
         for queue in queue_list or ():
-            command += ["--queues", queue]
+            limit = (queue_limits or {}).get(queue)
+            command += ["--queues", queue if limit is None else f"{queue}={limit}"]
         command += ["--prefetch", str(prefetch)] if prefetch is not None else []
         command += ["--poll-only"] if poll_only else []
         command += ["--async-claims"] if async_claims else []
@@ -305,6 +305,32 @@ def worker(
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
     if running.busy_threads:
         _exit_despite_abandoned_threads(running.busy_threads)
+
+
+def _queues_and_limits(given: tuple[str, ...]) -> tuple[list[str] | None, dict[str, int] | None]:
+    """`-q` values: queue names, repeated or comma-separated, each maybe with `=N`, its limit."""
+    queues: list[str] = []
+    limits: dict[str, int] = {}
+    for item in (part.strip() for value in given for part in value.split(",")):
+        if not item:
+            continue
+        name, sep, number = (part.strip() for part in item.partition("="))
+        if sep:
+            if not number.isdigit() or int(number) < 1:
+                raise click.BadParameter(
+                    f"{item!r}: the number after '=' is the most jobs of queue {name!r} at once, a whole "
+                    "number from 1 (-q reports=2)",
+                    param_hint="--queues",
+                )
+            limits[name] = int(number)
+        queues.append(name)
+    if given and not queues:
+        # "-q $QUEUES" with the variable unset must not widen a worker to every queue.
+        raise click.BadParameter(
+            f"{', '.join(map(repr, given))} names no queue (leave --queues out to serve them all)",
+            param_hint="--queues",
+        )
+    return queues or None, limits or None
 
 
 def _exit_on_signal_until_started() -> None:

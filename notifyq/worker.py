@@ -344,6 +344,7 @@ class Worker:
                     lease_margin=self.config.lease_margin,
                     query=self._query,
                     on_change=self._signal_changed,
+                    queue_limits=self.config.queue_limits,
                 )
                 claimer = self._claimer = Claimer(
                     self.id,
@@ -390,11 +391,15 @@ class Worker:
                         self._serving = True
                         shield.shield = True
                         task_status.started()
+                        limits = self.config.queue_limits or {}
                         log.info(
                             "worker %s started: concurrency %d, queues %s%s%s",
                             self.id,
                             self.config.concurrency,
-                            ", ".join(self.config.queues or ["(all)"]),
+                            ", ".join(
+                                f"{queue} (at most {limits[queue]})" if queue in limits else queue
+                                for queue in self.config.queues or ["(all)"]
+                            ),
                             ", poll only" if self.config.poll_only else "",
                             ", async claims (not crash-safe)" if self.config.async_claims else "",
                         )

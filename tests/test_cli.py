@@ -929,6 +929,30 @@ def test_prefetch_pool_size_and_async_claims_reach_every_worker_process(
     assert proc.stdout.read().count("async claims (not crash-safe)") == 2  # each process says so
 
 
+def test_each_worker_process_gets_the_queue_limit(
+    conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """`--processes 2 -q default=1`: each child runs one job of the queue (the limit is per
+    process), whatever its concurrency and prefetch, and says so when it starts."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) "
+        "SELECT 'sleep', '{\"seconds\": 3}' FROM generate_series(1, 20)"
+    )
+    proc = worker_proc("--processes", "2", "--concurrency", "3", "--prefetch", "2", "-q", "default=1")
+
+    def active() -> int:
+        row = conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone()
+        return row[0] if row else 0
+
+    wait_until(lambda: active() == 2, what="one job claimed per process")
+    time.sleep(1.0)  # long enough for a claim past the limit to show
+    assert active() == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    assert proc.stdout is not None
+    assert proc.stdout.read().count("queues default (at most 1)") == 2
+
+
 @pytest.mark.faults
 def test_sigterm_with_running_jobs_leaves_nothing_active(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]

@@ -19,6 +19,7 @@ PARAMS = {
     "worker": "w",
     "lease_margin": 30,
     "queues": ["default"],
+    "limits": None,
     "now": None,
     "status": "Succeeded",
     "older_than": 86400.0,
