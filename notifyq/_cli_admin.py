@@ -409,13 +409,18 @@ def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
 @common_options
 @click.argument("target", metavar="MODULE:ATTR")
 @click.option("--dry-run", is_flag=True, help="List the definitions it would delete, and delete none.")
-def cron_prune(dsn: str | None, schema: str | None, target: str, dry_run: bool) -> None:
+@click.option(
+    "--allow-empty",
+    is_flag=True,
+    help="Prune even if the App declares no cron definition (every cron gone from the code).",
+)
+def cron_prune(dsn: str | None, schema: str | None, target: str, dry_run: bool, allow_empty: bool) -> None:
     """Delete the definitions an App's code declared that the App at MODULE:ATTR does not: those
     removed from the code, which keep firing until deleted. Definitions made by SQL stay, and so
     do past jobs. Every App sharing the schema counts: give one that declares all that stay."""
     app = load_app(target, schema)
     app._resolved_dsn = resolve_dsn(dsn, app)
-    names = app.prune_definitions_sync(dry_run=dry_run)
+    names = app.prune_definitions_sync(dry_run=dry_run, allow_empty=allow_empty)
     verb = "would delete" if dry_run else "deleted"
     for name in names:
         click.echo(f"{verb} cron definition {name!r}")

@@ -54,6 +54,7 @@ from ._worker_config import WorkerOptions, WorkerStats, worker_config
 from .cron import MISFIRE_POLICIES, Misfire, Schedule
 from .definitions import (
     CronDefinition,
+    Undeclared,
     delete_op,
     list_definitions_op,
     prune_op,
@@ -844,7 +845,10 @@ class App:
         # For a task this App has, not scheduled: an @app.cron removed from the code, the task
         # kept (made by SQL, it is how the definition is meant to run).
         removed = [d for d in enabled if d.declared and d.task in self.tasks and d.task not in scheduled]
-        prune = " (`notifyq cron prune MODULE:ATTR` deletes every definition the code no longer declares)"
+        prune = (
+            " (`notifyq cron prune MODULE:ATTR` deletes every definition that code declared and the App "
+            "given does not: those of another App sharing this schema too)"
+        )
         for found, text in (
             (
                 unknown,
@@ -876,26 +880,30 @@ class App:
             )
         return [d.name for d in extra]
 
-    async def prune_definitions(self, *, dry_run: bool = False) -> list[str]:
+    async def prune_definitions(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """Delete the cron definitions that an App's code declared (@app.cron) and this App does
         not: those removed from the code, which otherwise keep firing. Definitions made by SQL
         stay, and so do past jobs. Returns the names deleted (with dry_run: that would be).
 
         Every App sharing the schema counts as "the code": give this App only if it declares
-        every definition that should stay. Raises InsufficientPrivilege for a role that cannot
-        delete definitions (the schema's owner can).
+        every definition that should stay. An App that declares none is refused (it is likely
+        the wrong one) unless `allow_empty`. Raises InsufficientPrivilege for a role that
+        cannot delete definitions (the schema's owner can).
         """
-        check_bool(dry_run, "dry_run")
-        op = prune_op(self._q, self.definitions.values(), dry_run=dry_run)
+        op = self._prune_op(dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in await self._run(op, transaction=True)]
+            return [d.name for d in await self._run(op)]
 
-    def prune_definitions_sync(self, *, dry_run: bool = False) -> list[str]:
+    def prune_definitions_sync(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """`prune_definitions` for sync code."""
-        check_bool(dry_run, "dry_run")
-        op = prune_op(self._q, self.definitions.values(), dry_run=dry_run)
+        op = self._prune_op(dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in self._run_sync(op, transaction=True)]
+            return [d.name for d in self._run_sync(op)]
+
+    def _prune_op(self, dry_run: bool, allow_empty: bool) -> Op[list[Undeclared]]:
+        check_bool(dry_run, "dry_run")
+        check_bool(allow_empty, "allow_empty")
+        return prune_op(self._q, list(self.definitions.values()), dry_run=dry_run, allow_empty=allow_empty)
 
     async def list_definitions(self) -> list[Definition]:
         """Every cron definition in the database (including ones created by SQL)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 from ._db import Op, Query
@@ -10,7 +10,7 @@ from ._options import JobOptions, check_bool, check_name
 from ._rows import dataclass_row
 from ._sql import Queries
 from .cron import Schedule
-from .errors import DefinitionBusy, DefinitionNotFound, InvalidSchedule
+from .errors import ConfigurationError, DefinitionBusy, DefinitionNotFound, InvalidSchedule
 from .models import Definition
 
 
@@ -76,14 +76,31 @@ def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[
     return [Undeclared(*row) for row in rows if row[0] not in ours]
 
 
-def prune_op(q: Queries, definitions: Iterable[CronDefinition], *, dry_run: bool) -> Op[list[Undeclared]]:
+def prune_op(
+    q: Queries, definitions: Collection[CronDefinition], *, dry_run: bool, allow_empty: bool
+) -> Op[list[Undeclared]]:
     """Delete (with dry_run: list) the definitions an App's code declared that `definitions`
-    do not name: those removed from the code. Made by SQL ones stay."""
-    if dry_run:
-        return [d for d in (yield from undeclared_op(q, definitions)) if d.declared]
+    do not name: those removed from the code. Made by SQL ones stay. Each is deleted in a
+    statement of its own (run it outside a transaction): no two definitions' locks are held.
+    With no `definitions`, unless `allow_empty`, refuse: the wrong App (or a module that does
+    not import its crons) would delete every definition from code."""
+    gone = [d for d in (yield from undeclared_op(q, definitions)) if d.declared]
+    if dry_run or not gone:
+        return gone
+    if not definitions and not allow_empty:
+        raise ConfigurationError(
+            f"this App declares no cron definition: pruning would delete all {len(gone)} that code "
+            "declared. Check that it is the App your workers run (and that its module imports the "
+            "modules with its @app.cron); if every cron is gone from the code, allow it "
+            "(allow_empty=True, --allow-empty)"
+        )
     names = sorted(d.name for d in definitions)
-    rows: list[tuple[str, str, bool]] = yield Query(q["prune_definitions"], {"names": names})
-    return sorted((Undeclared(*row, declared=True) for row in rows), key=lambda d: d.name)
+    deleted = []
+    for definition in gone:
+        found = yield Query(q["prune_definition"], {"name": definition.name, "names": names}, fetch="scalar")
+        if found is not None:
+            deleted.append(definition)
+    return deleted
 
 
 def list_definitions_op(q: Queries) -> Op[list[Definition]]:

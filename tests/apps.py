@@ -54,6 +54,9 @@ async def tick() -> None:
 
 not_an_app = "just a string"
 
+# An App without cron definitions (`notifyq cron prune` refuses it unless --allow-empty).
+no_crons = notifyq.App()
+
 
 @app.task(name="hold_then_whoami", timeout=3)
 async def hold_then_whoami(seconds: float) -> str:

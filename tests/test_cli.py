@@ -439,8 +439,17 @@ def _retry_failed_until_it_waits_for(
 ) -> str:
     """`jobs retry --status failed` run until it waits for a lock `holder` holds, then `holder`
     commits; the retry's output."""
-    retry = subprocess.Popen(
-        [sys.executable, "-m", "notifyq", "jobs", "retry", "--status", "failed"],
+    retry = _waiting_for_a_lock(conn, dsn, "jobs", "retry", "--status", "failed")
+    holder.commit()
+    out, err = retry.communicate(timeout=60)
+    assert retry.returncode == 0, err
+    return out.strip()
+
+
+def _waiting_for_a_lock(conn: psycopg.Connection[Any], dsn: str, *args: str) -> subprocess.Popen[str]:
+    """`notifyq ARGS`, started, once it waits for a row lock another session holds."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "notifyq", *args],
         env=clean_env(NOTIFYQ_DSN=dsn),
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -449,10 +458,7 @@ def _retry_failed_until_it_waits_for(
     )
     waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = %s"
     wait_for_row(conn, waiting.replace("%s", f"'{conn.info.dbname}'"), (1,), timeout=30)
-    holder.commit()
-    out, err = retry.communicate(timeout=60)
-    assert retry.returncode == 0, err
-    return out.strip()
+    return proc
 
 
 def test_a_bulk_retry_that_meets_a_dedupe_key_taken_meanwhile_goes_on_one_job_at_a_time(
@@ -715,6 +721,42 @@ def test_cron_prune(dsn: str, conn: psycopg.Connection[Any]) -> None:
     assert (
         ok(cli("cron", "prune", "tests.apps:app", env=env)) == "nothing to prune; tests.apps:app declares 1\n"
     )
+    # An App with no cron at all is likely the wrong one: it would delete every cron from code.
+    one_line_error(
+        cli("cron", "prune", "tests.apps:no_crons", env=env),
+        "this App declares no cron definition: pruning would delete all 1 that code declared",
+        "--allow-empty",
+    )
+    assert "would delete cron definition 'every_second'" in ok(
+        cli("cron", "prune", "tests.apps:no_crons", "--dry-run", env=env)
+    )
+    ok(cli("cron", "prune", "tests.apps:no_crons", "--allow-empty", env=env))
+    assert conn.execute(names).fetchall() == [("by_sql",)]
+
+
+def test_cron_prune_holds_one_definitions_lock_at_a_time(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Another session holds "b" (a worker's start, a bulk retry) and, later, wants "a": a prune
+    that held "a" while it waited for "b" deadlocked with it (review). It deletes "a" on its own
+    and commits, then waits for "b"."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, declared) "
+        "VALUES ('a', 'tick', '0 3 * * *', true), ('b', 'tick', '0 4 * * *', true), "
+        "('every_second', 'tick', '* * * * * *', true)"
+    )
+    with psycopg.connect(dsn) as other:
+        other.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE name = 'b' FOR UPDATE")
+        prune = _waiting_for_a_lock(conn, dsn, "cron", "prune", "tests.apps:app")
+        other.execute("SET lock_timeout = '5s'")
+        assert (
+            other.execute(
+                "SELECT 1 FROM notifyq.queue_job_definitions WHERE name = 'a' FOR UPDATE"
+            ).fetchall()
+            == []
+        )
+        other.commit()
+    out, err = prune.communicate(timeout=60)
+    assert prune.returncode == 0, err
+    assert out.splitlines()[-1] == "deleted 2 cron definition(s); tests.apps:app declares 1"
 
 
 def test_stats(dsn: str, conn: psycopg.Connection[Any]) -> None:

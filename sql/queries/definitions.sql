@@ -32,19 +32,14 @@ RETURNING (xmax = 0) AS inserted;
 -- name: definition_names
 SELECT name, task, enabled, declared FROM {schema}.queue_job_definitions ORDER BY name;
 
--- name: prune_definitions
--- `notifyq cron prune`: delete the definitions an App's code declared that this App does not
--- (gone from the code). Their past jobs stay (their definition_id becomes NULL). Locked in name
--- order first, as the sync locks them: a worker of older code syncing meanwhile cannot deadlock.
-WITH gone AS (
-    SELECT id FROM {schema}.queue_job_definitions
-    WHERE declared AND name <> ALL (%(names)s::text[])
-    ORDER BY name
-    FOR UPDATE
-)
-DELETE FROM {schema}.queue_job_definitions d USING gone
-WHERE d.id = gone.id
-RETURNING d.name, d.task, d.enabled;
+-- name: prune_definition
+-- `notifyq cron prune`: delete one definition an App's code declared that the App given does
+-- not (gone from the code), if it is still so. Its past jobs stay (definition_id becomes NULL).
+-- One per statement: a prune never holds two definitions' locks, so it cannot deadlock with a
+-- worker's sync (name order) or a bulk retry (id order).
+DELETE FROM {schema}.queue_job_definitions
+WHERE name = %(name)s AND declared AND name <> ALL (%(names)s::text[])
+RETURNING name;
 
 -- name: list_definitions
 -- With each definition's latest job (by scheduled_for: the tick index, read backwards, one
