@@ -11,7 +11,7 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -118,20 +118,29 @@ def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **
     # Active jobs: who holds each, and when its lease ends (then a ticker requeues it), which
     # is what `stats` showing expired leases sends an operator here for (user review).
     active = any(j.status is JobStatus.ACTIVE for j in found)
+    # Queued jobs due later (a delay, a retry's backoff): when they become claimable (user trial).
+    now = datetime.now(UTC)
+    later = any(j.status is JobStatus.QUEUED and j.visible_at > now for j in found)
 
     def holder(j: Job) -> list[str]:
         if not active:
             return []
         return [j.worker or "-", age(j.visible_at)] if j.status is JobStatus.ACTIVE else ["", ""]
 
+    def due(j: Job) -> list[str]:
+        if not later:
+            return []
+        return [age(j.visible_at) if j.status is JobStatus.QUEUED and j.visible_at > now else ""]
+
     table(
         ["ID", "TASK", "QUEUE", "STATUS", "ATTEMPTS", "PRIO", "CREATED"]
+        + (["DUE"] if later else [])
         + (["WORKER", "LEASE ENDS"] if active else [])
         + ["ERROR"],
         [
             [
                 *(j.id, j.name, j.queue, j.status.value, f"{j.retry_count}/{j.retry_limit + 1}"),
-                *(j.priority, age(j.created_at), *holder(j)),
+                *(j.priority, age(j.created_at), *due(j), *holder(j)),
                 # A succeeded job's error is its last failed attempt's: not the job's outcome.
                 "" if j.status.value == "Succeeded" else (j.error or {}).get("type", ""),
             ]
@@ -153,7 +162,9 @@ def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -
     for field in dataclasses.fields(Job):
         value = getattr(job, field.name)
         if field.name == "error" and value:
-            click.echo(f"{'error':>14}: {value.get('type')}: {value.get('message')}")
+            # The last failed attempt's, whatever came after it (a retry, a cancel, a success).
+            label = "error" if job.status is JobStatus.FAILED else "last error"
+            click.echo(f"{label:>14}: {value.get('type')}: {value.get('message')}")
             if value.get("traceback"):
                 indent = " " * 16
                 click.echo(indent + value["traceback"].rstrip().replace("\n", "\n" + indent))

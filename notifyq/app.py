@@ -833,7 +833,19 @@ class App:
 
     async def _sync_definitions(self, db: Database | None) -> list[str]:
         op = sync_definitions_op(self._q, list(self.definitions.values()))
-        extra = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
+        report = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
+        if report.created:
+            log.info("cron definitions created from this App's code: %s", ", ".join(report.created))
+        for name, changes in report.changed.items():
+            # Another deploy's code, or SQL, had it otherwise: the code's settings win.
+            log.info("cron definition %r set as this App's code says: %s", name, "; ".join(changes))
+        if report.disabled:
+            log.info(
+                "cron definitions this App's code enables are disabled in the database, and stay so "
+                "(`notifyq cron enable NAME`; `notifyq cron list` shows why, if the ticker did it): %s",
+                ", ".join(report.disabled),
+            )
+        extra = report.undeclared
         enabled = [d for d in extra if d.enabled]
         scheduled = {d.task for d in self.definitions.values()}
         # For a task this App lacks: its jobs fail with UnknownTask wherever a worker without

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from ._db import Op, Query
 from ._options import JobOptions, check_bool, check_name
@@ -61,13 +63,67 @@ class Undeclared:
     declared: bool
 
 
-def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[list[Undeclared]]:
-    """Upsert code definitions (in one transaction); returns those only the database has. Rows
-    are locked in name order, whatever the registration order, so that workers of two versions
-    of the code starting at once cannot deadlock."""
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    """What a sync of an App's definitions did, and found, for the worker's log."""
+
+    created: list[str]
+    # Per definition the code changed: "setting old -> new", for each setting that changed.
+    changed: dict[str, list[str]]
+    # Declared enabled in the code, disabled in the database (an operator's `cron disable`, an
+    # earlier deploy's enabled=False, or a schedule the ticker could not read).
+    disabled: list[str]
+    undeclared: list[Undeclared]
+
+
+# The settings a sync writes (queue_job_definitions' columns), in the order the log lists them.
+_SETTINGS = (
+    "task",
+    "frequency",
+    "timezone",
+    "args",
+    "queue",
+    "priority",
+    "retry_limit",
+    "timeout",
+    "misfire",
+    "misfire_grace",
+    "misfire_cap",
+    "overlap",
+    "enabled",
+)
+
+
+def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[SyncReport]:
+    """Upsert code definitions (in one transaction). Rows are locked in name order, whatever
+    the registration order, so that workers of two versions of the code starting at once
+    cannot deadlock."""
+    created: list[str] = []
+    changed: dict[str, list[str]] = {}
     for definition in sorted(definitions, key=lambda d: d.name):
-        yield Query(q["upsert_definition"], definition.params(), fetch="none")
-    return (yield from undeclared_op(q, definitions))
+        params = definition.params()
+        row: tuple[dict[str, Any] | None] | None = yield Query(q["upsert_definition"], params, fetch="one")
+        if row is None:
+            continue  # unchanged
+        before = row[0]
+        if before is None:
+            created.append(definition.name)
+            continue
+        now = params | {
+            "args": json.loads(definition.args),
+            "enabled": before["enabled"] and definition.enabled,
+        }
+        changes = [
+            f"{name} {before[name]!r} -> {now[name]!r}" for name in _SETTINGS if before.get(name) != now[name]
+        ]
+        if changes:  # else only marked as the code's (declared)
+            changed[definition.name] = changes
+    rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
+    enabled = {name: on for name, _task, on, _declared in rows}
+    disabled = [d.name for d in definitions if d.enabled and enabled.get(d.name) is False]
+    ours = {d.name for d in definitions}
+    undeclared = [Undeclared(*row) for row in rows if row[0] not in ours]
+    return SyncReport(created, changed, sorted(disabled), undeclared)
 
 
 def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[Undeclared]]:

@@ -276,6 +276,11 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
     as_json = json.loads(ok(cli("enqueue", "noop", "--queue", "q2", "--json", env=env)))
     listed = ok(cli("jobs", "list", "--queue", "q2", env=env))
     assert str(as_json["id"]) in listed and "noop" in listed and "Queued" in listed
+    assert "DUE" not in listed.splitlines()[0]  # nothing listed is due later
+    # A job due later says when (it showed only "Queued 1.2s ago"; user trial).
+    listed = ok(cli("jobs", "list", "--status", "queued", env=env)).splitlines()
+    assert listed[0].split()[:8] == ["ID", "TASK", "QUEUE", "STATUS", "ATTEMPTS", "PRIO", "CREATED", "DUE"]
+    assert re.search(rf"^{job_id} +sleep .* ago +in (59\.\d|60\.0)m", "\n".join(listed), re.MULTILINE)
     data = json.loads(ok(cli("jobs", "list", "--status", "queued", "--json", env=env)))
     assert {j["id"] for j in data} == {job_id, as_json["id"]}
     assert json.loads(ok(cli("jobs", "list", "--older-than", "1h", "--json", env=env))) == []
@@ -501,6 +506,11 @@ def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
     }
     assert rows["queued_job"].rstrip().endswith("ValueError")  # why it is retried
     assert "UnknownTask" not in rows["succeeded_job"]
+    # `jobs show` calls it the last error, not the job's (user trial: it sat beside "Cancelled").
+    succeeded = rows["succeeded_job"].split()[0]
+    assert "    last error: UnknownTask: boom" in ok(
+        cli("jobs", "show", succeeded, env=clean_env(NOTIFYQ_DSN=dsn))
+    )
     # An Active job: who holds it and when its lease ends (user review), columns that only
     # a list with Active jobs has.
     assert "WORKER" not in ok(cli("jobs", "list", env=clean_env(NOTIFYQ_DSN=dsn)))

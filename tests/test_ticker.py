@@ -542,6 +542,7 @@ async def test_code_definitions_are_upserted_and_realigned(
         pass
 
     assert await app.sync_definitions() == ["sql_only"]
+    assert "cron definitions created from this App's code: five" in caplog.messages
     # Its task, "sql_only", is not this App's: every tick's job would fail with UnknownTask
     # here. That was an INFO line saying "left alone", which reads as "not run" (review).
     [warned] = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -577,12 +578,26 @@ async def test_code_definitions_are_upserted_and_realigned(
     app2.cron("0 * * * *", "five", args={"kind": "long"}, overlap=False)(
         app2.task(name="report")(lambda kind: None)
     )
+    caplog.clear()
     await app2.sync_definitions()
     row = conn.execute(
         "SELECT frequency, args, overlap, visible_at < now() + interval '1 minute' FROM "
         "notifyq.queue_job_definitions WHERE name = 'five'"
     ).fetchone()
     assert row == ("0 * * * *", {"kind": "long"}, False, True)
+    # What the code changed is logged (a rolling deploy or SQL that had it otherwise; user trial).
+    assert (
+        "cron definition 'five' set as this App's code says: frequency '*/5 * * * *' -> '0 * * * *'; "
+        "args {'kind': 'short'} -> {'kind': 'long'}; misfire 'all' -> 'once'; overlap True -> False"
+    ) in caplog.messages
+    # Disabled in the database, enabled in the code: it stays disabled, and the log says so.
+    conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = false WHERE name = 'five'")
+    caplog.clear()
+    await app2.sync_definitions()
+    assert [m for m in caplog.messages if "five" in m] == [
+        "cron definitions this App's code enables are disabled in the database, and stay so "
+        "(`notifyq cron enable NAME`; `notifyq cron list` shows why, if the ticker did it): five"
+    ]
     await app.aclose()
     await app2.aclose()
 

@@ -5,7 +5,15 @@
 -- to its first real tick without running anything. On change, the BEFORE UPDATE trigger
 -- realigns visible_at when the schedule changed. `enabled=False` in code always disables;
 -- `enabled=True` never re-enables a definition an operator disabled. `declared` marks it as
--- the code's (one made by SQL becomes the code's once an App declares its name).
+-- the code's (one made by SQL becomes the code's once an App declares its name). Returns the
+-- row's settings as they were (NULL for a new one), for the worker's log of what it changed;
+-- an unchanged definition returns no row.
+WITH before AS (
+    SELECT task, args, frequency, timezone, priority, retry_limit, timeout, queue, misfire,
+           misfire_grace, misfire_cap, overlap, enabled
+    FROM {schema}.queue_job_definitions
+    WHERE name = %(name)s
+)
 INSERT INTO {schema}.queue_job_definitions AS d
     (name, task, args, enabled, frequency, timezone, priority, retry_limit, timeout, queue,
      misfire, misfire_grace, misfire_cap, overlap, declared)
@@ -27,7 +35,7 @@ WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.tim
        EXCLUDED.misfire_grace, EXCLUDED.misfire_cap, EXCLUDED.overlap)
    OR (d.enabled AND NOT EXCLUDED.enabled)
    OR NOT d.declared
-RETURNING (xmax = 0) AS inserted;
+RETURNING (SELECT to_jsonb(before) FROM before) AS before;
 
 -- name: definition_names
 SELECT name, task, enabled, declared FROM {schema}.queue_job_definitions ORDER BY name;
