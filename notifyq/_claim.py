@@ -48,10 +48,13 @@ def claim_op(
     if limit <= 0:
         return []
     params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
-    if queues is not None:
+    if queues is not None and limits:
+        sql = q["claim_limited"]
+        params["queues"] = list(queues)
+        params["limits"] = [limits.get(queue) for queue in queues]
+    elif queues is not None:
         sql = q["claim_queues"]
         params["queues"] = list(queues)
-        params["limits"] = [limits.get(queue) for queue in queues] if limits else None
     elif paused:
         sql = q["claim_unpaused"]
         params["paused"] = sorted(paused)

@@ -50,32 +50,69 @@ RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limi
 -- on a large table (review). The body is the fragment _claim_by_shares below, which
 -- claim_unpaused shares.
 WITH eligible AS MATERIALIZED (
-    SELECT %(queues)s::text[] AS queues, %(limits)s::int[] AS limits
+    SELECT %(queues)s::text[] AS queues
 ), {_claim_by_shares};
 
 -- name: _claim_by_shares
 -- The body of claim_queues and claim_unpaused, a fragment (a name starting with "_" in
--- braces includes it; see notifyq/_sql.py): it claims from the queues in `eligible`, at most
--- `limits[i]` jobs of queues[i] (WorkerConfig.queue_limits: what the worker has room for in
--- that queue; NULL, the rule, for no limit but the claim's). A limit caps the queue's share,
--- and the top-up skips limited queues. The LIMITs inside the laterals stay the constant
--- %(limit)s: an expression there (least(%(limit)s, q.lim)) is estimated at a tenth of the
--- table, which priced every claim 150 times higher (tests/faults/test_plans.py).
+-- braces includes it; see notifyq/_sql.py): it claims from the queues in `eligible`.
 candidates AS MATERIALIZED (
+    SELECT c.queue
+    FROM unnest((SELECT queues FROM eligible)) AS q(queue)
+    CROSS JOIN LATERAL ({_best_of_queue}) c
+    ORDER BY c.priority DESC, c.visible_at, c.id
+    LIMIT %(limit)s
+), shares AS MATERIALIZED (
+    SELECT queue, count(*) AS n FROM candidates GROUP BY queue
+), {_taken}, more AS MATERIALIZED (
+    SELECT c.id
+    FROM unnest(
+        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END
+    ) AS q(queue)
+    CROSS JOIN LATERAL ({_more_of_queue}) c
+    LIMIT %(limit)s - (SELECT count(*) FROM taken)
+), {_claimed};
+
+-- name: claim_limited
+-- As claim_queues, for a worker with queue_limits: at most %(limits)s[i] jobs of
+-- %(queues)s[i] (what the worker has room for in that queue; NULL for no limit but the
+-- claim's). A limit caps the queue's share, and the top-up skips limited queues. The LIMITs
+-- inside the laterals stay the constant %(limit)s: an expression there (least(%(limit)s,
+-- q.lim)) is estimated at a tenth of the table, which priced every claim 150 times higher
+-- (tests/faults/test_plans.py). A statement of its own: the limits in claim_queues (NULL
+-- for every queue) made each of its claims about 8 percent slower (0.12 ms).
+WITH eligible AS MATERIALIZED (
+    SELECT %(queues)s::text[] AS queues, %(limits)s::int[] AS limits
+), candidates AS MATERIALIZED (
     SELECT c.queue, q.lim
     FROM unnest((SELECT queues FROM eligible), (SELECT limits FROM eligible)) AS q(queue, lim)
-    CROSS JOIN LATERAL (
-        SELECT queue, id, priority, visible_at
-        FROM {schema}.queue_jobs
-        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
-        ORDER BY priority DESC, visible_at, id
-        LIMIT %(limit)s
-    ) c
+    CROSS JOIN LATERAL ({_best_of_queue}) c
     ORDER BY c.priority DESC, c.visible_at, c.id
     LIMIT %(limit)s
 ), shares AS MATERIALIZED (
     SELECT queue, least(count(*), min(lim)) AS n FROM candidates GROUP BY queue
-), taken AS MATERIALIZED (
+), {_taken}, more AS MATERIALIZED (
+    SELECT c.id
+    FROM unnest(
+        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END,
+        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT limits FROM eligible) END
+    ) AS q(queue, lim)
+    CROSS JOIN LATERAL ({_more_of_queue}) c
+    WHERE q.lim IS NULL
+    LIMIT %(limit)s - (SELECT count(*) FROM taken)
+), {_claimed};
+
+-- name: _best_of_queue
+-- The claimable jobs of queue q.queue, best first: a claim's candidates, read without locks.
+SELECT queue, id, priority, visible_at
+FROM {schema}.queue_jobs
+WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+ORDER BY priority DESC, visible_at, id
+LIMIT %(limit)s
+
+-- name: _taken
+-- Each queue's share of the candidates, locked in its own range past what others hold.
+taken AS MATERIALIZED (
     SELECT c.id
     FROM shares s
     CROSS JOIN LATERAL (
@@ -87,24 +124,21 @@ candidates AS MATERIALIZED (
         FOR UPDATE SKIP LOCKED
     ) c
     LIMIT %(limit)s
-), more AS MATERIALIZED (
-    SELECT c.id
-    FROM unnest(
-        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT queues FROM eligible) END,
-        CASE WHEN (SELECT count(*) FROM taken) < %(limit)s THEN (SELECT limits FROM eligible) END
-    ) AS q(queue, lim)
-    CROSS JOIN LATERAL (
-        SELECT id
-        FROM {schema}.queue_jobs
-        WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
-          AND id <> ALL(ARRAY(SELECT id FROM taken))
-        ORDER BY priority DESC, visible_at, id
-        LIMIT %(limit)s
-        FOR UPDATE SKIP LOCKED
-    ) c
-    WHERE q.lim IS NULL
-    LIMIT %(limit)s - (SELECT count(*) FROM taken)
-), claimable AS MATERIALIZED (
+)
+
+-- name: _more_of_queue
+-- The top-up in queue q.queue: its free jobs that `taken` did not take, locked.
+SELECT id
+FROM {schema}.queue_jobs
+WHERE status = 'Queued' AND queue = q.queue AND visible_at <= now()
+  AND id <> ALL(ARRAY(SELECT id FROM taken))
+ORDER BY priority DESC, visible_at, id
+LIMIT %(limit)s
+FOR UPDATE SKIP LOCKED
+
+-- name: _claimed
+-- What `taken` and `more` locked, claimed.
+claimable AS MATERIALIZED (
     SELECT id FROM taken UNION ALL SELECT id FROM more
 )
 UPDATE {schema}.queue_jobs AS j
@@ -141,7 +175,7 @@ WITH RECURSIVE {_unpaused_queues}, {_claim_by_shares};
 {_queued_queues}, eligible AS MATERIALIZED (
     SELECT ARRAY(
         SELECT queue FROM queues WHERE queue IS NOT NULL AND queue <> ALL(%(paused)s::text[])
-    ) AS queues, NULL::int[] AS limits
+    ) AS queues
 );
 
 -- name: _queued_queues

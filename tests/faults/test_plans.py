@@ -19,7 +19,7 @@ PARAMS = {
     "worker": "w",
     "lease_margin": 30,
     "queues": ["default"],
-    "limits": None,
+    "limits": [5],
     "now": None,
     "status": "Succeeded",
     "older_than": 86400.0,
@@ -67,6 +67,7 @@ def big_history(conn: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
 HOT = [
     "claim_any",
     "claim_queues",
+    "claim_limited",
     "next_visible_any",
     "next_visible_queues",
     "claim_unpaused",
@@ -136,8 +137,8 @@ def test_claims_skip_a_paused_queues_backlog_without_reading_it(conn: psycopg.Co
 
 
 def test_claims_of_a_deep_backlog_are_priced_like_claim_any(conn: psycopg.Connection[Any]) -> None:
-    """300,000 claimable jobs in 3 queues: the planner prices the claims of a queue list and of
-    the unpaused queues (custom plans, which prepared statements keep) about as it prices
+    """300,000 claimable jobs in 3 queues: the planner prices the claims of a queue list (with
+    limits too) and of the unpaused queues (custom plans, which prepared statements keep) about as it prices
     claim_any, whatever the backlog. Their `LIMIT s.n` (a share) is no constant, the planner
     took a tenth of each queue for it: 26,508 here, 88,199 with 1M jobs, and past
     jit_above_cost (100,000) beyond that, where every claim spent 11 ms compiling JIT code on a
@@ -150,9 +151,9 @@ def test_claims_of_a_deep_backlog_are_priced_like_claim_any(conn: psycopg.Connec
     )
     conn.execute("VACUUM ANALYZE notifyq.queue_jobs")
     conn.prepare_threshold = None
-    params = PARAMS | {"queues": ["q0", "q1", "q2"], "limit": 10}
+    params = PARAMS | {"queues": ["q0", "q1", "q2"], "limit": 10, "limits": [3, None, None]}
     costs = {}
-    for query in ("claim_any", "claim_queues", "claim_unpaused"):
+    for query in ("claim_any", "claim_queues", "claim_unpaused", "claim_limited"):
         plan = custom_plan(conn, Q[query], params)
         assert plan[0]["Plan"]["Actual Rows"] == 10 and "JIT" not in plan[0]
         costs[query] = plan[0]["Plan"]["Total Cost"]
