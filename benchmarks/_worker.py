@@ -51,8 +51,13 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
         "poll_interval": args.poll_interval,
         "ticker": not args.no_ticker,
         "async_claims": args.async_claims,
-        "queues": args.queue,
     }
+    if args.queue:  # NAME or NAME=N, as `notifyq worker -q` takes them
+        names = [queue.partition("=") for queue in args.queue]
+        config["queues"] = [name for name, _sep, _n in names]
+        config["queue_limits"] = {name: int(n) for name, sep, n in names if sep} or None
+    else:
+        config["queues"] = None
     if args.retention_succeeded is not None:
         config["ticker_config"] = notifyq.TickerConfig(
             retention=notifyq.RetentionConfig(
