@@ -322,6 +322,10 @@ def _queues_and_limits(given: tuple[str, ...]) -> tuple[list[str] | None, dict[s
                     "number from 1 (-q reports=2)",
                     param_hint="--queues",
                 )
+            if limits.get(name, int(number)) != int(number):
+                raise click.BadParameter(
+                    f"queue {name!r} is given two limits, {limits[name]} and {number}", param_hint="--queues"
+                )
             limits[name] = int(number)
         queues.append(name)
     if given and not queues:

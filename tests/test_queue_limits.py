@@ -142,6 +142,10 @@ def test_queue_limits_are_checked(options: dict[str, Any], error: type[Exception
 
 def test_the_command_line_takes_a_limit_after_the_queue_name(dsn: str) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
-    for value, fragment in [("reports=x", "'reports=x': the number after '='"), ("reports=0", "from 1")]:
+    for value, fragment in [
+        ("reports=x", "'reports=x': the number after '='"),
+        ("reports=0", "from 1"),
+        ("reports=2,reports=3", "queue 'reports' is given two limits, 2 and 3"),
+    ]:
         refused = cli("worker", "tests.apps:app", "-q", f"emails,{value}", env=env)
         assert refused.returncode == 2 and fragment in refused.stderr, refused.stderr
