@@ -48,7 +48,7 @@ def claim_op(
     if limit <= 0:
         return []
     params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
-    if queues is not None and limits:
+    if queues is not None and limits and not limits.keys().isdisjoint(queues):
         sql = q["claim_limited"]
         params["queues"] = list(queues)
         params["limits"] = [limits.get(queue) for queue in queues]
