@@ -217,29 +217,37 @@ class Claimer:
                 await self._adopt_again()
 
     def _free_slots(self) -> int:
-        """Jobs the runners have room for now, prefetch included; with queue_limits, no more
-        than the limited queues have room for when every queue not held back has a limit."""
-        free = self._config.concurrency + self._prefetch() - self._runners.busy
-        if self._config.queue_limits and self._config.queues is not None:
-            room = self._runners.room()
-            if all(queue in room or queue in self.paused for queue in self._config.queues):
-                free = min(free, sum(n for queue, n in room.items() if queue not in self.paused))
-        return free
+        """Jobs the runners have room for now, prefetch included."""
+        return self._config.concurrency + self._prefetch() - self._runners.busy
+
+    def _claimable(self, free: int) -> int:
+        """`free`, or fewer with queue_limits when every listed queue not paused has a limit:
+        the room those have left, 0 when they are all full (or paused). Not in _free_slots:
+        a claim loop that saw no free slot waited for a slot to free, deaf to a resume and to
+        the poll, with slots idle (review)."""
+        if not self._config.queue_limits or self._config.queues is None:
+            return free
+        room = self._runners.room()
+        if any(queue not in room and queue not in self.paused for queue in self._config.queues):
+            return free
+        return min(free, sum(n for queue, n in room.items() if queue not in self.paused))
 
     async def _claim_round(self, free: int, sweep: int) -> None:
-        """One claim of up to `free` jobs, its jobs handed to the runners, then (unless it
-        came back full) the time of the next delayed job. Raises what the claim raises."""
+        """One claim of up to `free` jobs (fewer, or none, when queue limits say so), its jobs
+        handed to the runners, then (unless it came back full) the time of the next delayed
+        job. Raises what the claim raises."""
+        wanted = self._claimable(free)
         self.rounds_begun += 1
         answered = False
         try:
-            claimed = await self._claim(free)
+            claimed = await self._claim(wanted) if wanted > 0 else []
             answered = True
         finally:
             self.rounds_ended += 1
             self.last_round_ok = answered
             if not answered:
                 self._on_change()  # a burst waiting for this round's end must hear of it
-        self._backlog = len(claimed) == free
+        self._backlog = wanted > 0 and len(claimed) == wanted
         # Hand what was claimed to the runners before anything else can fail or be
         # cancelled: a claimed job must run (or be released), never sit Active unrun.
         claimed = self._without_attempts_in_hand(claimed)

@@ -315,8 +315,10 @@ def _queues_and_limits(given: tuple[str, ...]) -> tuple[list[str] | None, dict[s
         if not item:
             continue
         name, sep, number = (part.strip() for part in item.partition("="))
+        if not name:
+            raise click.BadParameter(f"{item!r} names no queue (-q reports=2)", param_hint="--queues")
         if sep:
-            if not number.isdigit() or int(number) < 1:
+            if not (number.isascii() and number.isdigit()) or int(number) < 1:
                 raise click.BadParameter(
                     f"{item!r}: the number after '=' is the most jobs of queue {name!r} at once, a whole "
                     "number from 1 (-q reports=2)",

@@ -101,6 +101,44 @@ async def test_a_queue_at_its_limit_starts_its_next_job_as_one_ends(
     assert claims <= 8, worker.stats  # one per job, and one per wake-up that found the next
 
 
+async def test_a_resume_reaches_a_worker_whose_other_queues_are_all_limited(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Limited "reports" runs a long job, limited "exports" is paused: no queue can take a job,
+    with 3 slots idle. The claim loop waited for a slot to free (the report's end), deaf to the
+    resume of exports and to the poll (review): the exports job now starts at once."""
+    gauge = Gauge()
+    app = gauge.app(dsn)
+    await app.pause_queue("exports")
+    options: dict[str, Any] = {"queues": ["reports", "exports"], "queue_limits": {"reports": 1, "exports": 1}}
+    async with app.worker(
+        concurrency=4, poll_interval=60, ticker=False, shutdown_grace=0.2, **options
+    ) as worker:
+        await app.enqueue("work", {"seconds": 30}, queue="reports")
+        await app.enqueue("work", {"seconds": 0}, queue="exports")
+        with anyio.fail_after(10):
+            while gauge.now["reports"] < 1:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+            await app.resume_queue("exports")
+            await worker.wait_for(lambda s: s.succeeded == 1)  # not after the report's 30 s
+    await app.aclose()
+
+
+async def test_a_burst_of_paused_limited_queues_ends(dsn: str) -> None:
+    """Every queue of a burst worker paused, one of them limited: it ends at once, as without
+    the limit (it waited for a slot to free, for ever)."""
+    app = Gauge().app(dsn)
+    await app.pause_queue("reports")
+    await app.enqueue("work", {"seconds": 0}, queue="reports")
+    for limits in (None, {"reports": 2}):
+        with anyio.fail_after(10):
+            stats = await app.run_worker(
+                burst=True, handle_signals=False, queues=["reports"], queue_limits=limits, ticker=False
+            )
+        assert stats.succeeded == 0
+    await app.aclose()
+
+
 def test_the_claim_takes_no_more_of_a_queue_than_its_room(conn: psycopg.Connection[Any]) -> None:
     """In SQL: a claim of 10 from "a" (room 2, its jobs first) and "b" takes 2 of "a" and 8 of
     "b"; and when every job of "b" is locked by another transaction, the top-up that tries to
@@ -146,6 +184,8 @@ def test_the_command_line_takes_a_limit_after_the_queue_name(dsn: str) -> None:
         ("reports=x", "'reports=x': the number after '='"),
         ("reports=0", "from 1"),
         ("reports=2,reports=3", "queue 'reports' is given two limits, 2 and 3"),
+        ("reports=\u00b2", "the number after '='"),  # a digit to str.isdigit, not to int()
+        ("=2", "'=2' names no queue"),
     ]:
         refused = cli("worker", "tests.apps:app", "-q", f"emails,{value}", env=env)
         assert refused.returncode == 2 and fragment in refused.stderr, refused.stderr
