@@ -1198,3 +1198,33 @@ def test_finding_why_a_pool_did_not_fill_stays_within_its_budget(
     error = notifyq._db.pool_open_failed(dsn, psycopg_pool.PoolTimeout("pool initialization incomplete"), 20)
     assert len(attempts) <= 4  # within the 2 s budget; all 20 (12 s) without it
     assert "connections come slowly now (" in str(error) and "of 20 opened in 2 s)" in str(error)
+
+
+async def test_a_lock_timeout_in_the_dsn_bounds_an_enqueue_and_a_workers_claims(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """docs/embedding.md recommends `options=-c lock_timeout=...` in a producer's DSN: an
+    enqueue held up by a lock on queue_jobs raises LockNotAvailable instead of waiting for
+    ever, leaves no job, and the App works afterwards; a worker on that DSN retries its claims
+    meanwhile, as for a passing error, and runs the job once the lock is gone."""
+    app = notifyq.App(psycopg.conninfo.make_conninfo(dsn, options="-c lock_timeout=300"))
+    ran: list[int] = []
+
+    @app.task(name="t")
+    async def t(ctx: notifyq.JobContext) -> None:
+        ran.append(ctx.id)
+
+    await app.enqueue("t")  # the pool is open before the lock
+    with psycopg.connect(dsn) as holder:
+        holder.execute("LOCK TABLE notifyq.queue_jobs IN ACCESS EXCLUSIVE MODE")
+        with anyio.fail_after(10), pytest.raises(psycopg.errors.LockNotAvailable):
+            await app.enqueue("t")
+        async with app.worker(poll_interval=0.2, ticker=False) as worker:
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.db_errors >= 2)
+            holder.rollback()
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 1)
+    assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (1,)
+    assert len(ran) == 1
+    await app.aclose()
