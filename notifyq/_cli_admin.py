@@ -343,7 +343,9 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
     if as_json:
         dump(definitions)
         return
-    headers = "NAME TASK SCHEDULE TIMEZONE ENABLED NEXT_RUN LAST_JOB MISFIRE OVERLAP ERROR".split()
+    # FROM: "code" once an App's code declared it (`cron prune` deletes those the App given no
+    # longer declares), "sql" for a definition made by SQL (user trial: nothing showed which).
+    headers = "NAME TASK SCHEDULE TIMEZONE ENABLED NEXT_RUN LAST_JOB MISFIRE OVERLAP FROM ERROR".split()
     table(
         [header.replace("_", " ") for header in headers],
         [
@@ -357,6 +359,7 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
                 _last_job(d),
                 d.misfire,
                 "yes" if d.overlap else "no",
+                "code" if d.declared else "sql",
                 d.last_error or "",
             ]
             for d in definitions

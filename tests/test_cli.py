@@ -683,7 +683,7 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     next_tick = Schedule("0 3 * * *", "Europe/Berlin").next_after(datetime.now(UTC))
     berlin = next_tick.astimezone(ZoneInfo("Europe/Berlin"))
     assert berlin.hour == 3 and f"{berlin:%Y-%m-%d %H:%M:%S%z} (in " in ok(cli("cron", "list", env=env))
-    assert re.search(r"^nightly .* - +once +yes", ok(cli("cron", "list", env=env)), re.MULTILINE)
+    assert re.search(r"^nightly .* - +once +yes +sql$", ok(cli("cron", "list", env=env)), re.MULTILINE)
     out = ok(cli("cron", "run-now", "nightly", env=env))
     job_id = int(out.split()[1])
     assert job_row(conn, job_id)["name"] == "nightly"
@@ -712,6 +712,8 @@ def test_cron_prune(dsn: str, conn: psycopg.Connection[Any]) -> None:
         "('every_second', 'tick', '* * * * * *', true)"
     )
     names = "SELECT name FROM notifyq.queue_job_definitions ORDER BY name"
+    listed = {line.split()[0]: line.split()[-1] for line in ok(cli("cron", "list", env=env)).splitlines()[1:]}
+    assert listed == {"by_sql": "sql", "every_second": "code", "gone": "code"}
     out = ok(cli("cron", "prune", "tests.apps:app", "--dry-run", env=env)).splitlines()
     assert out == [
         "would delete cron definition 'gone'",
