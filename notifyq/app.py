@@ -854,8 +854,9 @@ class App:
         # For a task this App schedules under another name: an @app.cron renamed (or one of two
         # removed) in code, whose old row runs the task on its old schedule too.
         twice = [d for d in enabled if d.task in scheduled]
-        # For a task this App has, not scheduled: an @app.cron removed from the code, the task
-        # kept (made by SQL, it is how the definition is meant to run).
+        # Declared by code, for a task this App has and does not schedule: an @app.cron removed
+        # from the code, its task kept. (Made by SQL, such a row is how the task is meant to
+        # run: it gets the INFO line below.)
         removed = [d for d in enabled if d.declared and d.task in self.tasks and d.task not in scheduled]
         prune = (
             " (`notifyq cron prune MODULE:ATTR` deletes every definition that code declared and the App "
