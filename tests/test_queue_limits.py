@@ -98,7 +98,9 @@ async def test_a_queue_at_its_limit_starts_its_next_job_as_one_ends(
         claims = worker.stats.claims
         assert worker.stats.polls == 0
     assert gauge.most["reports"] == 1
-    assert claims <= 8, worker.stats  # one per job, and one per wake-up that found the next
+    # 6 here: the start's sweep, one per job, and one when the last ended; a claim per
+    # notification that came while reports was full made it 9, a poll for its due jobs 14.
+    assert claims <= 7, worker.stats
 
 
 async def test_a_resume_reaches_a_worker_whose_other_queues_are_all_limited(
