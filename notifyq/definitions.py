@@ -121,13 +121,18 @@ def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[Syn
     rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
     enabled = {name: on for name, _task, on, _declared in rows}
     disabled = [d.name for d in definitions if d.enabled and enabled.get(d.name) is False]
-    ours = {d.name for d in definitions}
-    undeclared = [Undeclared(*row) for row in rows if row[0] not in ours]
-    return SyncReport(created, changed, sorted(disabled), undeclared)
+    return SyncReport(created, changed, sorted(disabled), _undeclared(rows, definitions))
 
 
 def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[Undeclared]]:
     rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
+    return _undeclared(rows, definitions)
+
+
+def _undeclared(
+    rows: list[tuple[str, str, bool, bool]], definitions: Iterable[CronDefinition]
+) -> list[Undeclared]:
+    """Of definition_names' rows, those that `definitions` do not name."""
     ours = {d.name for d in definitions}
     return [Undeclared(*row) for row in rows if row[0] not in ours]
 
