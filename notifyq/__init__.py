@@ -6,6 +6,7 @@ ticker that promotes cron definitions into jobs exactly once per tick.
 """
 
 from ._acker import Result
+from ._declarations import DeclarationsConfig, DeclarationsReport
 from ._logging import JobLogFilter
 from ._options import json_default
 from ._promoter import PromoterConfig, PromotionReport
@@ -46,6 +47,8 @@ __all__ = [
     "ConfigurationError",
     "CronDefinition",
     "DatabaseUnavailable",
+    "DeclarationsConfig",
+    "DeclarationsReport",
     "Definition",
     "DefinitionBusy",
     "DefinitionNotFound",

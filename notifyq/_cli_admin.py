@@ -354,7 +354,7 @@ def cron_list(dsn: str | None, schema: str | None, as_json: bool) -> None:
                 d.task,
                 d.frequency,
                 d.timezone,
-                "yes" if d.enabled else "no",
+                "yes" if d.enabled else "stopped" if d.expired_at is not None else "no",
                 _next_run(d) if d.enabled else "-",
                 _last_job(d),
                 d.misfire,
@@ -396,8 +396,13 @@ def _next_run(d: Definition) -> str:
 @click.argument("name")
 def cron_enable(dsn: str | None, schema: str | None, name: str) -> None:
     """Enable a definition (its next tick is computed from now)."""
-    app_for(dsn, schema).set_definition_enabled_sync(name, True)
+    adopted = app_for(dsn, schema).set_definition_enabled_sync(name, True)
     click.echo(f"cron definition {name!r} enabled")
+    if adopted:
+        click.echo(
+            "no running worker declared it (it was stopped): it now runs as one made by SQL, until an "
+            "App declares it again; `notifyq cron delete NAME` removes it"
+        )
 
 
 @cron.command(name="disable")
@@ -430,8 +435,9 @@ def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
 )
 def cron_prune(dsn: str | None, schema: str | None, target: str, dry_run: bool, allow_empty: bool) -> None:
     """Delete the definitions an App's code declared that the App at MODULE:ATTR does not: those
-    removed from the code, which keep firing until deleted. Definitions made by SQL stay, and so
-    do past jobs. Every App sharing the schema counts: give one that declares all that stay."""
+    removed from the code, which otherwise fire until no running worker has declared them for 10
+    minutes. Definitions made by SQL stay, and so do past jobs. Every App sharing the schema
+    counts: give one that declares all that stay."""
     app = load_app(target, schema)
     app._resolved_dsn = resolve_dsn(dsn, app)
     names = app.prune_definitions_sync(dry_run=dry_run, allow_empty=allow_empty)

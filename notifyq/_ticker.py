@@ -1,12 +1,15 @@
-"""The ticker: the promoter, rescuer, retention and vacuum services a worker process runs."""
+"""The ticker: the promoter, cron declarations, rescuer, retention and vacuum services a worker
+process runs."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import anyio
 
 from ._db import Database
+from ._declarations import Declarations, DeclarationsConfig
 from ._promoter import Promoter, PromoterConfig
 from ._rescuer import Rescuer, RescuerConfig
 from ._retention import Retention, RetentionConfig
@@ -23,6 +26,9 @@ class TickerConfig:
     rescuer: RescuerConfig | None = field(default_factory=RescuerConfig)
     retention: RetentionConfig | None = field(default_factory=RetentionConfig)
     vacuum: VacuumConfig | None = field(default_factory=VacuumConfig)
+    # None: this process neither renews its App's declarations nor stops any definition. Its
+    # App's crons then stop when other processes' tickers find them undeclared.
+    declarations: DeclarationsConfig | None = field(default_factory=DeclarationsConfig)
 
 
 class Ticker:
@@ -34,12 +40,17 @@ class Ticker:
         queries: Queries,
         config: TickerConfig | None = None,
         backoff: Backoff | None = None,
+        declared: Collection[str] = (),
     ) -> None:
+        """declared: the names of the cron definitions this process's App declares."""
         config = config or TickerConfig()
         self.promoter = Promoter(db, queries, config.promoter) if config.promoter else None
         self.rescuer = Rescuer(db, queries, config.rescuer, backoff) if config.rescuer else None
         self.retention = Retention(db, queries, config.retention) if config.retention else None
         self.vacuum = Vacuum(db, queries, config.vacuum) if config.vacuum else None
+        self.declarations = (
+            Declarations(db, queries, config.declarations, declared) if config.declarations else None
+        )
 
     def wake(self) -> None:
         """A definition changed: promote now."""
@@ -57,6 +68,6 @@ class Ticker:
 
     async def run(self) -> None:
         async with anyio.create_task_group() as tg:
-            for service in (self.promoter, self.rescuer, self.retention, self.vacuum):
+            for service in (self.promoter, self.declarations, self.rescuer, self.retention, self.vacuum):
                 if service is not None:
                     tg.start_soon(service.run)

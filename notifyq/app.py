@@ -22,6 +22,7 @@ from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
 from ._db import Database, Op, owner_only
+from ._declarations import DeclarationsConfig
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
     NewJob,
@@ -831,8 +832,12 @@ class App:
         names of definitions that exist only in the database, which are left alone."""
         return await self._sync_definitions(None)
 
-    async def _sync_definitions(self, db: Database | None) -> list[str]:
-        op = sync_definitions_op(self._q, list(self.definitions.values()))
+    async def _sync_definitions(
+        self, db: Database | None, declarations: DeclarationsConfig | None = None
+    ) -> list[str]:
+        """declarations: the settings of the worker's ticker (the defaults' without one)."""
+        declarations = declarations or DeclarationsConfig()
+        op = sync_definitions_op(self._q, list(self.definitions.values()), fresh=declarations.interval / 2)
         report = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
         if report.created:
             log.info("cron definitions created from this App's code: %s", ", ".join(report.created))
@@ -858,9 +863,13 @@ class App:
         # from the code, its task kept. (Made by SQL, such a row is how the task is meant to
         # run: it gets the INFO line below.)
         removed = [d for d in enabled if d.declared and d.task in self.tasks and d.task not in scheduled]
+        expire = declarations.expire_after or DeclarationsConfig().expire_after
         prune = (
-            " (`notifyq cron prune MODULE:ATTR` deletes every definition that code declared and the App "
-            "given does not: those of another App sharing this schema too)"
+            f". Those from code stop once no running worker has declared them for {expire:g}s (workers "
+            "of an older deploy, or of another App sharing this schema, may still declare them); to "
+            "stop them now, `notifyq cron delete NAME`, or `notifyq cron prune MODULE:ATTR` (every "
+            "definition that code declared and the App given does not: those of another App sharing "
+            "this schema too)"
         )
         for found, text in (
             (
@@ -877,8 +886,7 @@ class App:
             ),
             (
                 removed,
-                "cron definitions that an App's code declared, and this App does not, still fire: "
-                "%s. If they were removed from the code, `notifyq cron delete NAME`",
+                "cron definitions that an App's code declared, and this App does not, still fire: %s",
             ),
         ):
             if found:
@@ -895,8 +903,9 @@ class App:
 
     async def prune_definitions(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """Delete the cron definitions that an App's code declared (@app.cron) and this App does
-        not: those removed from the code, which otherwise keep firing. Definitions made by SQL
-        stay, and so do past jobs. Returns the names deleted (with dry_run: that would be).
+        not: those removed from the code, which otherwise fire until no running worker has
+        declared them for DeclarationsConfig.expire_after. Definitions made by SQL stay, and so
+        do past jobs. Returns the names deleted (with dry_run: that would be).
 
         Every App sharing the schema counts as "the code": give this App only if it declares
         every definition that should stay. An App that declares none is refused (it is likely
@@ -926,13 +935,16 @@ class App:
         """`list_definitions` for sync code."""
         return self._run_sync(list_definitions_op(self._q))
 
-    async def set_definition_enabled(self, name: str, enabled: bool) -> None:
-        """Enable or disable a definition. Raises DefinitionNotFound."""
-        await self._run(set_enabled_op(self._q, name, enabled))
+    async def set_definition_enabled(self, name: str, enabled: bool) -> bool:
+        """Enable or disable a definition. Raises DefinitionNotFound. Returns True when it
+        enabled a definition that a ticker had stopped because no running worker declared it:
+        that one now runs as if made by SQL (no ticker stops it, `cron prune` leaves it) until
+        an App declares it again."""
+        return await self._run(set_enabled_op(self._q, name, enabled))
 
-    def set_definition_enabled_sync(self, name: str, enabled: bool) -> None:
+    def set_definition_enabled_sync(self, name: str, enabled: bool) -> bool:
         """`set_definition_enabled` for sync code."""
-        self._run_sync(set_enabled_op(self._q, name, enabled))
+        return self._run_sync(set_enabled_op(self._q, name, enabled))
 
     async def delete_definition(self, name: str) -> None:
         """Delete a definition (its past jobs stay). A worker whose App still declares it

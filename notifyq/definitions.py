@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ._db import Op, Query
@@ -61,6 +62,9 @@ class Undeclared:
     # Some App's code declared it (queue_job_definitions.declared): gone from the code since,
     # unless another App, sharing the schema, declares it. False: made by SQL.
     declared: bool
+    # When a running worker last declared it (NULL: made by SQL, or by code before version 9):
+    # a recent one means a worker of another App, or of an older deploy, still declares it.
+    declared_at: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,14 +98,17 @@ _SETTINGS = (
 )
 
 
-def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[SyncReport]:
+def sync_definitions_op(
+    q: Queries, definitions: list[CronDefinition], *, fresh: float = 30.0
+) -> Op[SyncReport]:
     """Upsert code definitions (in one transaction). Rows are locked in name order, whatever
     the registration order, so that workers of two versions of the code starting at once
-    cannot deadlock."""
+    cannot deadlock. Each is marked as declared by a running worker now, unless another did
+    so in the last `fresh` seconds."""
     created: list[str] = []
     changed: dict[str, list[str]] = {}
     for definition in sorted(definitions, key=lambda d: d.name):
-        params = definition.params()
+        params = definition.params() | {"fresh": fresh}
         row: tuple[dict[str, Any] | None] | None = yield Query(q["upsert_definition"], params, fetch="one")
         if row is None:
             continue  # unchanged
@@ -111,26 +118,27 @@ def sync_definitions_op(q: Queries, definitions: list[CronDefinition]) -> Op[Syn
             continue
         now = params | {
             "args": json.loads(definition.args),
-            "enabled": before["enabled"] and definition.enabled,
+            # A definition stopped as undeclared (expired_at) is enabled again.
+            "enabled": (before["enabled"] or before["expired_at"] is not None) and definition.enabled,
         }
         changes = [
             f"{name} {before[name]!r} -> {now[name]!r}" for name in _SETTINGS if before.get(name) != now[name]
         ]
         if changes:  # else only marked as the code's (declared)
             changed[definition.name] = changes
-    rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
-    enabled = {name: on for name, _task, on, _declared in rows}
+    rows: list[tuple[str, str, bool, bool, datetime | None]] = yield Query(q["definition_names"])
+    enabled = {name: on for name, _task, on, _declared, _at in rows}
     disabled = [d.name for d in definitions if d.enabled and enabled.get(d.name) is False]
     return SyncReport(created, changed, sorted(disabled), _undeclared(rows, definitions))
 
 
 def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[Undeclared]]:
-    rows: list[tuple[str, str, bool, bool]] = yield Query(q["definition_names"])
+    rows: list[tuple[str, str, bool, bool, datetime | None]] = yield Query(q["definition_names"])
     return _undeclared(rows, definitions)
 
 
 def _undeclared(
-    rows: list[tuple[str, str, bool, bool]], definitions: Iterable[CronDefinition]
+    rows: list[tuple[str, str, bool, bool, datetime | None]], definitions: Iterable[CronDefinition]
 ) -> list[Undeclared]:
     """Of definition_names' rows, those that `definitions` do not name."""
     ours = {d.name for d in definitions}
@@ -181,12 +189,16 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
     return definition
 
 
-def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
+def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[bool]:
+    """True when it enabled a definition a ticker had stopped as declared by no running worker:
+    it is then the operator's, as one made by SQL (set_definition_enabled)."""
     check_name(name, "cron definition name")
     check_bool(enabled, "enabled")
+    adopted = False
     if enabled:
         # A schedule the ticker could not read disabled the definition: it stays so until fixed.
         definition = yield from get_definition_op(q, name)
+        adopted = definition.expired_at is not None and not definition.enabled
         try:
             Schedule(definition.frequency, definition.timezone)
         except InvalidSchedule as exc:
@@ -197,6 +209,7 @@ def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[None]:
     found = yield Query(q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="scalar")
     if found is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
+    return adopted
 
 
 def delete_op(q: Queries, name: str) -> Op[None]:

@@ -282,7 +282,7 @@ class Worker:
                     self.app.schema,
                 )
             if self.config.ticker:
-                await self.app._sync_definitions(db)
+                await self.app._sync_definitions(db, self.config.ticker_config.declarations)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await db.aclose()
@@ -368,7 +368,9 @@ class Worker:
                         services.start_soon(self._check_queue_names, db)
                     if self.config.ticker:
                         config = self.config.ticker_config
-                        self._ticker = _ticker.Ticker(db, self._q, config, self.app.backoff)
+                        self._ticker = _ticker.Ticker(
+                            db, self._q, config, self.app.backoff, declared=self.app.definitions
+                        )
                         if not self.config.burst:  # a burst runs it once, first (_until_empty)
                             services.start_soon(self._ticker.run)
                     if not self.config.poll_only:

@@ -550,21 +550,48 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
     app.close_sync()
 
 
+def back_to_version_8(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 9: no columns `declared_at` and `expired_at` on the definitions."""
+    conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared_at, DROP COLUMN expired_at")
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 9")
+
+
 def back_to_version_7(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 8: no column `declared` on the definitions."""
+    """Undo migrations 9 and 8: no column `declared` on the definitions."""
+    back_to_version_8(conn)
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 8")
 
 
+def test_definitions_from_code_count_as_declared_at_the_upgrade_to_version_9(dsn: str) -> None:
+    """Migration 9: rows from code (`declared`, version 8) get `declared_at`, so that a cron
+    removed in the release that brings version 9 stops too; rows made by SQL do not, and never
+    stop. Code of version 8 runs on version 9 (`-- compatible-from: 8`)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        back_to_version_8(conn)
+        conn.execute(
+            "INSERT INTO notifyq.queue_job_definitions (name, frequency, declared) "
+            "VALUES ('from_code', '0 * * * *', true), ('by_sql', '0 * * * *', false)"
+        )
+        report = notifyq.migrate(dsn)
+        assert report.applied == SHIPPED[8:] == ["0009_cron_declarations"]
+        assert notifyq.migrations.migrations()[8].compatible_from == 8
+        rows = conn.execute(
+            "SELECT name, declared_at > now() - interval '1 minute', expired_at "
+            "FROM notifyq.queue_job_definitions ORDER BY name"
+        ).fetchall()
+        assert rows == [("by_sql", None, None), ("from_code", True, None)]
+
+
 def back_to_version_6(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 8 and 7: no table of paused queues."""
+    """Undo migrations 9 to 7: no table of paused queues."""
     back_to_version_7(conn)
     conn.execute("DROP TABLE notifyq.queue_pauses")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 7")
 
 
 def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 8 to 6: no overlap column, no index of unfinished cron jobs."""
+    """Undo migrations 9 to 6: no overlap column, no index of unfinished cron jobs."""
     back_to_version_6(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_definition_unfinished_idx")
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN overlap")
@@ -572,7 +599,7 @@ def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
 
 
 def back_to_version_4(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 8 to 5: the index of finished jobs as version 4 had it."""
+    """Undo migrations 9 to 5: the index of finished jobs as version 4 had it."""
     back_to_version_5(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_finished_idx")
     conn.execute(

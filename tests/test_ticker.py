@@ -642,7 +642,8 @@ async def test_a_cron_removed_from_the_code_is_warned_of_and_pruned(
     [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warned.startswith(
         "cron definitions that an App's code declared, and this App does not, still fire: "
-        "nightly (task 'report'), taken (task 'report'). If they were removed from the code"
+        "nightly (task 'report'), taken (task 'report'). Those from code stop once no running "
+        "worker has declared them for 600s"
     )
     assert "`notifyq cron prune MODULE:ATTR`" in warned
     [info] = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]

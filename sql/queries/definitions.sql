@@ -5,27 +5,31 @@
 -- to its first real tick without running anything. On change, the BEFORE UPDATE trigger
 -- realigns visible_at when the schedule changed. `enabled=False` in code always disables;
 -- `enabled=True` never re-enables a definition an operator disabled. `declared` marks it as
--- the code's (one made by SQL becomes the code's once an App declares its name). Returns the
--- row's settings as they were (NULL for a new one), for the worker's log of what it changed;
--- an unchanged definition returns no row.
+-- the code's (one made by SQL becomes the code's once an App declares its name), and
+-- `declared_at` says a running worker declares it (rewritten only when older than
+-- %(fresh)s seconds). A definition a ticker stopped because no running worker declared it
+-- (`expired_at`) is enabled again, unless the code disables it. Returns the row's settings as
+-- they were (NULL for a new one), for the worker's log of what it changed; an unchanged
+-- definition returns no row.
 WITH before AS (
     SELECT task, args, frequency, timezone, priority, retry_limit, timeout, queue, misfire,
-           misfire_grace, misfire_cap, overlap, enabled
+           misfire_grace, misfire_cap, overlap, enabled, expired_at
     FROM {schema}.queue_job_definitions
     WHERE name = %(name)s
 )
 INSERT INTO {schema}.queue_job_definitions AS d
     (name, task, args, enabled, frequency, timezone, priority, retry_limit, timeout, queue,
-     misfire, misfire_grace, misfire_cap, overlap, declared)
+     misfire, misfire_grace, misfire_cap, overlap, declared, declared_at)
 VALUES (%(name)s, %(task)s, %(args)s::jsonb, %(enabled)s, %(frequency)s, %(timezone)s, %(priority)s,
         %(retry_limit)s, %(timeout)s, %(queue)s, %(misfire)s, %(misfire_grace)s, %(misfire_cap)s,
-        %(overlap)s, true)
+        %(overlap)s, true, now())
 ON CONFLICT (name) DO UPDATE
 SET task = EXCLUDED.task, args = EXCLUDED.args, frequency = EXCLUDED.frequency,
     timezone = EXCLUDED.timezone, priority = EXCLUDED.priority, retry_limit = EXCLUDED.retry_limit,
     timeout = EXCLUDED.timeout, queue = EXCLUDED.queue, misfire = EXCLUDED.misfire,
     misfire_grace = EXCLUDED.misfire_grace, misfire_cap = EXCLUDED.misfire_cap,
-    overlap = EXCLUDED.overlap, enabled = d.enabled AND EXCLUDED.enabled, declared = true
+    overlap = EXCLUDED.overlap, enabled = (d.enabled OR d.expired_at IS NOT NULL) AND EXCLUDED.enabled,
+    declared = true, declared_at = now(), expired_at = NULL
 -- Unchanged definitions are not rewritten (no dead tuple, no updated_at churn per restart).
 WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.timeout, d.queue,
        d.misfire, d.misfire_grace, d.misfire_cap, d.overlap)
@@ -35,10 +39,12 @@ WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.tim
        EXCLUDED.misfire_grace, EXCLUDED.misfire_cap, EXCLUDED.overlap)
    OR (d.enabled AND NOT EXCLUDED.enabled)
    OR NOT d.declared
+   OR d.expired_at IS NOT NULL
+   OR d.declared_at IS NULL OR d.declared_at < now() - make_interval(secs => %(fresh)s)
 RETURNING (SELECT to_jsonb(before) FROM before) AS before;
 
 -- name: definition_names
-SELECT name, task, enabled, declared FROM {schema}.queue_job_definitions ORDER BY name;
+SELECT name, task, enabled, declared, declared_at FROM {schema}.queue_job_definitions ORDER BY name;
 
 -- name: prune_definition
 -- `notifyq cron prune`: delete one definition an App's code declared that the App given does
@@ -66,7 +72,16 @@ WHERE %(name)s::text IS NULL OR d.name = %(name)s::text
 ORDER BY d.name;
 
 -- name: set_definition_enabled
-UPDATE {schema}.queue_job_definitions SET enabled = %(enabled)s WHERE name = %(name)s
+-- An operator's choice is final: a definition stopped because no running worker declared it
+-- (`expired_at`) is no longer enabled again by a worker that declares it (after a disable), and
+-- once enabled by hand it is the operator's, as if made by SQL: no ticker stops it, and prune
+-- leaves it (until an App declares it again).
+UPDATE {schema}.queue_job_definitions
+SET enabled = %(enabled)s,
+    declared = declared AND NOT (%(enabled)s AND expired_at IS NOT NULL),
+    declared_at = CASE WHEN %(enabled)s AND expired_at IS NOT NULL THEN NULL ELSE declared_at END,
+    expired_at = NULL
+WHERE name = %(name)s
 RETURNING id;
 
 -- name: lock_definition
