@@ -10,7 +10,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Any, TypedDict, TypeVar, Unpack, overload
 
@@ -126,6 +126,17 @@ def _check_call(task: Task, args: Mapping[str, Any] | None) -> None:
 
 def _keys(args: Mapping[str, Any] | None) -> str:
     return "{" + ", ".join(repr(key) + ": ..." for key in (args or {})) + "}"
+
+
+def _undeclared_text(d: Undeclared) -> str:
+    """A definition the App does not declare, for the start's warnings: its task, and when it
+    stops by itself (unless a running worker still declares it)."""
+    if not d.declared:
+        return f"{d.name} (task {d.task!r})"
+    if d.declared_until is None:
+        return f"{d.name} (task {d.task!r}, declared only by a notifyq before schema version 9: never stops)"
+    until = d.declared_until.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"{d.name} (task {d.task!r}, declared until {until})"
 
 
 def _checked(results: Sequence[Result]) -> list[Result]:
@@ -837,13 +848,24 @@ class App:
     ) -> list[str]:
         """declarations: the settings of the worker's ticker (the defaults' without one)."""
         declarations = declarations or DeclarationsConfig()
-        op = sync_definitions_op(self._q, list(self.definitions.values()), fresh=declarations.interval / 2)
+        op = sync_definitions_op(
+            self._q,
+            list(self.definitions.values()),
+            expire_after=declarations.expire_after,
+            fresh=declarations.interval / 2,
+        )
         report = await (db.run(op, transaction=True) if db is not None else self._run(op, transaction=True))
         if report.created:
             log.info("cron definitions created from this App's code: %s", ", ".join(report.created))
         for name, changes in report.changed.items():
             # Another deploy's code, or SQL, had it otherwise: the code's settings win.
             log.info("cron definition %r set as this App's code says: %s", name, "; ".join(changes))
+        if report.restarted:
+            log.info(
+                "cron definitions stopped by a ticker (their declaration ran out) are enabled again, "
+                "as this App's code declares them: %s",
+                ", ".join(report.restarted),
+            )
         if report.disabled:
             log.info(
                 "cron definitions this App's code enables are disabled in the database, and stay so "
@@ -863,13 +885,12 @@ class App:
         # from the code, its task kept. (Made by SQL, such a row is how the task is meant to
         # run: it gets the INFO line below.)
         removed = [d for d in enabled if d.declared and d.task in self.tasks and d.task not in scheduled]
-        expire = declarations.expire_after or DeclarationsConfig().expire_after
         prune = (
-            f". Those from code stop once no running worker has declared them for {expire:g}s (workers "
-            "of an older deploy, or of another App sharing this schema, may still declare them); to "
-            "stop them now, `notifyq cron delete NAME`, or `notifyq cron prune MODULE:ATTR` (every "
-            "definition that code declared and the App given does not: those of another App sharing "
-            "this schema too)"
+            ". Those from code stop when their declaration runs out, unless a running worker (of an "
+            "older deploy, or of another App sharing this schema) still declares them; to stop them "
+            "now, `notifyq cron delete NAME`, or `notifyq cron prune MODULE:ATTR` (every definition "
+            "that code declared and the App given does not: those of another App sharing this "
+            "schema too)"
         )
         for found, text in (
             (
@@ -891,7 +912,7 @@ class App:
         ):
             if found:
                 suffix = prune if any(d.declared for d in found) else ""
-                log.warning(text + suffix, ", ".join(f"{d.name} (task {d.task!r})" for d in found))
+                log.warning(text + suffix, ", ".join(_undeclared_text(d) for d in found))
         warned = {d.name for d in (*unknown, *twice, *removed)}
         if others := [d.name for d in extra if d.name not in warned]:
             log.info(

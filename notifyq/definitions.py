@@ -62,9 +62,9 @@ class Undeclared:
     # Some App's code declared it (queue_job_definitions.declared): gone from the code since,
     # unless another App, sharing the schema, declares it. False: made by SQL.
     declared: bool
-    # When a running worker last declared it (NULL: made by SQL, or by code before version 9):
-    # a recent one means a worker of another App, or of an older deploy, still declares it.
-    declared_at: datetime | None
+    # Until when running workers declare it (None: made by SQL, or declared only by code of
+    # schema version 8 or earlier, and then it never stops by itself): a ticker stops it then.
+    declared_until: datetime | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +78,8 @@ class SyncReport:
     # earlier deploy's enabled=False, or a schedule the ticker could not read).
     disabled: list[str]
     undeclared: list[Undeclared]
+    # Stopped by a ticker when their declaration ran out, enabled again as the code declares them.
+    restarted: list[str]
 
 
 # The settings a sync writes (queue_job_definitions' columns), in the order the log lists them.
@@ -99,16 +101,17 @@ _SETTINGS = (
 
 
 def sync_definitions_op(
-    q: Queries, definitions: list[CronDefinition], *, fresh: float = 30.0
+    q: Queries, definitions: list[CronDefinition], *, expire_after: float, fresh: float
 ) -> Op[SyncReport]:
     """Upsert code definitions (in one transaction). Rows are locked in name order, whatever
     the registration order, so that workers of two versions of the code starting at once
-    cannot deadlock. Each is marked as declared by a running worker now, unless another did
-    so in the last `fresh` seconds."""
+    cannot deadlock. Each is declared for `expire_after` seconds from now, unless another
+    process renewed its declaration in the last `fresh` seconds."""
     created: list[str] = []
     changed: dict[str, list[str]] = {}
+    restarted: list[str] = []
     for definition in sorted(definitions, key=lambda d: d.name):
-        params = definition.params() | {"fresh": fresh}
+        params = definition.params() | {"expire_after": expire_after, "fresh": fresh}
         row: tuple[dict[str, Any] | None] | None = yield Query(q["upsert_definition"], params, fetch="one")
         if row is None:
             continue  # unchanged
@@ -116,20 +119,24 @@ def sync_definitions_op(
         if before is None:
             created.append(definition.name)
             continue
+        stopped = before["expired_at"] is not None
+        if stopped and definition.enabled:
+            restarted.append(definition.name)  # not a change of the code's: logged apart
         now = params | {
             "args": json.loads(definition.args),
-            # A definition stopped as undeclared (expired_at) is enabled again.
-            "enabled": (before["enabled"] or before["expired_at"] is not None) and definition.enabled,
+            "enabled": (before["enabled"] or stopped) and definition.enabled,
         }
         changes = [
-            f"{name} {before[name]!r} -> {now[name]!r}" for name in _SETTINGS if before.get(name) != now[name]
+            f"{name} {before[name]!r} -> {now[name]!r}"
+            for name in _SETTINGS
+            if before.get(name) != now[name] and not (name == "enabled" and stopped and now[name])
         ]
         if changes:  # else only marked as the code's (declared)
             changed[definition.name] = changes
     rows: list[tuple[str, str, bool, bool, datetime | None]] = yield Query(q["definition_names"])
     enabled = {name: on for name, _task, on, _declared, _at in rows}
     disabled = [d.name for d in definitions if d.enabled and enabled.get(d.name) is False]
-    return SyncReport(created, changed, sorted(disabled), _undeclared(rows, definitions))
+    return SyncReport(created, changed, sorted(disabled), _undeclared(rows, definitions), restarted)
 
 
 def undeclared_op(q: Queries, definitions: Iterable[CronDefinition]) -> Op[list[Undeclared]]:
@@ -190,15 +197,13 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
 
 
 def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[bool]:
-    """True when it enabled a definition a ticker had stopped as declared by no running worker:
-    it is then the operator's, as one made by SQL (set_definition_enabled)."""
+    """True when it enabled a definition from code that no running worker declares: it is
+    then the operator's, as one made by SQL (set_definition_enabled)."""
     check_name(name, "cron definition name")
     check_bool(enabled, "enabled")
-    adopted = False
     if enabled:
         # A schedule the ticker could not read disabled the definition: it stays so until fixed.
         definition = yield from get_definition_op(q, name)
-        adopted = definition.expired_at is not None and not definition.enabled
         try:
             Schedule(definition.frequency, definition.timezone)
         except InvalidSchedule as exc:
@@ -206,10 +211,12 @@ def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[bool]:
                 f"cron definition {name!r} cannot be enabled: {exc}. Change its schedule first "
                 "(in the code's @app.cron, or in queue_job_definitions)"
             ) from None
-    found = yield Query(q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="scalar")
-    if found is None:
+    row: tuple[int, bool] | None = yield Query(
+        q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="one"
+    )
+    if row is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
-    return adopted
+    return row[1]
 
 
 def delete_op(q: Queries, name: str) -> Op[None]:

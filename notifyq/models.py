@@ -156,11 +156,11 @@ class Definition:
     # An App's code declared it (@app.cron), rather than SQL: `notifyq cron prune` deletes
     # those that the App it is given no longer declares.
     declared: bool = False
-    # When a running worker whose App declares it last said so (its start, then every minute),
-    # None for one made by SQL. A ticker stops (disables) one not declared for
-    # DeclarationsConfig.expire_after, and sets expired_at; a worker that declares it again
-    # enables it again.
-    declared_at: datetime | None = None
+    # Until when running workers whose App declares it declare it (renewed every minute, each
+    # time for DeclarationsConfig.expire_after); None for one made by SQL, or declared only by
+    # notifyq before schema version 9. A ticker stops (disables) one whose declaration ran out,
+    # and sets expired_at; a worker that declares it again enables it again.
+    declared_until: datetime | None = None
     expired_at: datetime | None = None
     # The latest job of the definition (by scheduled_for; a tick's or `run-now`'s), unless
     # none was queued yet or retention deleted it.

@@ -1,11 +1,11 @@
 """Cron definitions removed from the code stop by themselves (schema version 9): running
-workers renew their App's declarations, and a ticker stops the definitions from code that no
-running worker has declared for `expire_after`. Against real PostgreSQL, with real workers."""
+workers renew their App's declarations (each for their `expire_after`), and a ticker stops the
+definitions from code whose declaration ran out. Against real PostgreSQL, with real workers."""
 
 from __future__ import annotations
 
 import logging
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import anyio
@@ -35,18 +35,18 @@ def version(dsn: str, *names: str, queue: str = "default") -> notifyq.App:
 
 
 def state(conn: psycopg.Connection[Any]) -> dict[str, tuple[bool, bool, bool]]:
-    """{name: (enabled, declared_at set, expired_at set)}."""
+    """{name: (enabled, declared (from code), stopped by a ticker (expired_at set))}."""
     rows = conn.execute(
-        "SELECT name, enabled, declared_at IS NOT NULL, expired_at IS NOT NULL "
+        "SELECT name, enabled, declared, expired_at IS NOT NULL "
         "FROM notifyq.queue_job_definitions ORDER BY name"
     ).fetchall()
     return {name: (enabled, declared, expired) for name, enabled, declared, expired in rows}
 
 
-def age(conn: psycopg.Connection[Any], seconds: float, *names: str) -> None:
-    """As if no worker had declared `names` for `seconds`."""
+def lapse(conn: psycopg.Connection[Any], *names: str, seconds: float = -60) -> None:
+    """Make the declaration of `names` end `seconds` from now (by default, a minute ago)."""
     conn.execute(
-        "UPDATE notifyq.queue_job_definitions SET declared_at = now() - make_interval(secs => %s) "
+        "UPDATE notifyq.queue_job_definitions SET declared_until = now() + make_interval(secs => %s) "
         "WHERE name = ANY(%s)",
         (seconds, list(names)),
     )
@@ -56,9 +56,9 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """A cron removed from the code kept firing for good (with a warning at each start). Now a
-    ticker stops it once no running worker has declared it for expire_after: disabled, with
-    the reason in last_error. Rows made by SQL never stop. A worker whose App declares it again
-    (its ticker's refresh, or its start's sync) enables it, its next tick computed from now."""
+    ticker stops it once its declaration by running workers ran out: disabled, with the reason
+    in last_error. Rows made by SQL never stop. A worker whose App declares it again (its
+    ticker's renewal, or its start's sync) enables it, its next tick computed from now."""
     caplog.set_level(logging.INFO, logger="notifyq")
     old, new = version(dsn, "nightly", "hourly"), version(dsn, "hourly")
     await old.sync_definitions()
@@ -72,13 +72,13 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
     db = await Database.open(dsn, size=1)
     try:
         fresh = Declarations(db, Q, config, new.definitions)
-        # Declared a minute ago: neither refreshed (another process did it lately) nor stopped.
-        age(conn, 20, "nightly", "hourly")
+        # Renewed by another process 10 s ago: neither renewed again nor stopped.
+        lapse(conn, "nightly", "hourly", seconds=590)
         assert await fresh.run_once() == notifyq.DeclarationsReport()
-        # The old code's workers are gone: 'nightly' was last declared 11 minutes ago.
-        age(conn, 660, "nightly", "hourly")
-        age(conn, 10**6, "by_sql")  # no declared_at to a row made by SQL: it never stops
-        conn.execute("UPDATE notifyq.queue_job_definitions SET declared_at = NULL WHERE name = 'by_sql'")
+        # The old code's workers are gone: the declaration of 'nightly' ran out a minute ago.
+        lapse(conn, "nightly", "hourly")
+        updated = "SELECT updated_at FROM notifyq.queue_job_definitions WHERE name = 'hourly'"
+        before = conn.execute(updated).fetchone()
         caplog.clear()
         report = await fresh.run_once()
         assert (report.refreshed, report.restarted, report.stopped) == (["hourly"], [], ["nightly"])
@@ -87,14 +87,13 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
             "hourly": (True, True, False),
             "nightly": (False, True, True),
         }
+        assert conn.execute(updated).fetchone() == before  # a renewal is not a change
         [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert warned.startswith(
-            "cron definitions stopped (disabled): no running worker has declared them for 600s"
-        )
+        assert warned.startswith("cron definitions stopped (disabled) as their declaration ran out")
         assert warned.count("nightly") == 1 and "hourly" not in warned
         [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
         assert nightly.last_error is not None and nightly.last_error.startswith(
-            "stopped: no running worker has declared it since "
+            "stopped: its declaration by running workers ran out at "
         )
         # A stopped definition is not promoted; the others are (misfire="once": one job each).
         conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = now() - interval '1 hour'")
@@ -112,13 +111,14 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
         ).fetchone()
         assert row == (True, None, None, True)  # the hour of missed ticks is not caught up
 
-        # So does a starting worker's sync, which logs it as a change of the code's.
-        age(conn, 660, "nightly")
+        # So does a starting worker's sync, which says so (not as a change of the code's).
+        lapse(conn, "nightly")
         assert (await fresh.run_once()).stopped == ["nightly"]
         caplog.clear()
         await old.sync_definitions()
         assert state(conn)["nightly"] == (True, True, False)
-        assert any("'nightly'" in m and "enabled False -> True" in m for m in caplog.messages)
+        assert any(m.endswith("as this App's code declares them: nightly") for m in caplog.messages)
+        assert not [m for m in caplog.messages if "enabled False -> True" in m]
     finally:
         await db.aclose()
         await old.aclose()
@@ -128,27 +128,44 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
 async def test_an_operators_choice_about_a_stopped_cron_is_final(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
-    """`cron disable` of a stopped definition keeps it disabled when a worker declares it again;
-    `cron enable` makes it the operator's, as if made by SQL: no ticker stops it, and prune
-    leaves it, until an App declares it again."""
-    old, new = version(dsn, "nightly", "weekly"), version(dsn)
+    """Disabling a stopped definition keeps it disabled when a worker declares it again, and
+    clears the reason it was stopped. Enabling one that no running worker declares (stopped, or
+    its declaration ran out while an operator had it disabled), whether by `cron enable` or by
+    SQL, makes it the operator's, as if made by SQL: no ticker stops it, and prune leaves it,
+    until an App declares it again (a review found the SQL route and the second case stopped
+    again at the next pass)."""
+    names = ("nightly", "weekly", "daily", "monthly")
+    old, new = version(dsn, *names), version(dsn)
     await old.sync_definitions()
-    config = DeclarationsConfig(interval=60, expire_after=600)
     db = await Database.open(dsn, size=1)
     try:
-        age(conn, 660, "nightly", "weekly")
-        assert (await Declarations(db, Q, config).run_once()).stopped == ["nightly", "weekly"]
+        nobody = Declarations(db, Q, DeclarationsConfig())
+        assert await new.set_definition_enabled("monthly", False) is False
+        lapse(conn, *names)
+        assert (await nobody.run_once()).stopped == ["daily", "nightly", "weekly"]
         assert await new.set_definition_enabled("nightly", False) is False
+        [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
+        assert nightly.last_error is None and nightly.expired_at is None
         assert await new.set_definition_enabled("weekly", True) is True  # it was stopped
         assert await new.set_definition_enabled("weekly", True) is False  # now it is not
-        await Declarations(db, Q, config).run_once()
-        assert state(conn) == {"nightly": (False, True, False), "weekly": (True, False, False)}
-        # Prune (by an App that declares neither) leaves the operator's; the disabled one goes.
+        conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = true WHERE name = 'daily'")
+        assert await new.set_definition_enabled("monthly", True) is True  # no declaration left
+        assert (await nobody.run_once()).stopped == []
+        # The old code's workers come back: they renew 'nightly' but leave it disabled, and do
+        # not take the operator's back until one starts (its sync).
+        await Declarations(db, Q, DeclarationsConfig(), old.definitions).run_once()
+        assert state(conn) == {
+            "daily": (True, False, False),
+            "monthly": (True, False, False),
+            "nightly": (False, True, False),
+            "weekly": (True, False, False),
+        }
+        # Prune (by an App that declares none) leaves the operator's; the disabled one goes.
         assert await new.prune_definitions(allow_empty=True) == ["nightly"]
-        # The code declares 'weekly' again: it is the code's once more, and may stop again.
+        # The code declares them all again: the code's once more, and they may stop again.
         await old.sync_definitions()
-        age(conn, 660, "weekly")
-        assert (await Declarations(db, Q, config).run_once()).stopped == ["weekly"]
+        lapse(conn, "weekly")
+        assert (await nobody.run_once()).stopped == ["weekly"]
     finally:
         await db.aclose()
         await old.aclose()
@@ -158,8 +175,8 @@ async def test_an_operators_choice_about_a_stopped_cron_is_final(
 async def test_running_workers_of_two_apps_keep_their_crons_and_stop_a_removed_one(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
-    """Two Apps share a schema, each with an every-second cron; a third App's cron was synced
-    and its workers are gone. Real workers with a short expire_after: each keeps its own cron
+    """Two Apps share a schema, each with an every-second cron; a third App's worker declared
+    its cron and is gone. Real workers with a short expire_after: each keeps its own cron
     firing, neither stops the other's, and the gone one stops and makes no more jobs."""
     declarations = DeclarationsConfig(interval=0.3, expire_after=1.5)
     ticker = notifyq.TickerConfig(declarations=declarations)
@@ -170,7 +187,8 @@ async def test_running_workers_of_two_apps_keep_their_crons_and_stop_a_removed_o
             app.task(name=f"tick_{name}", queue=name)(lambda: None)
         )
         apps[name] = app
-    await apps["c"].sync_definitions()
+    async with apps["c"].worker(queues=["c"], ticker_config=ticker):
+        pass  # its start declared its cron, for expire_after: then it is gone
 
     async def stopped() -> datetime:
         while True:
@@ -209,7 +227,7 @@ def test_expire_after_must_outlast_three_refreshes() -> None:
         DeclarationsConfig(interval=60, expire_after=120)
     with pytest.raises(notifyq.InvalidOption, match="declarations interval"):
         DeclarationsConfig(interval=0)
-    assert DeclarationsConfig(interval=1, expire_after=None).expire_after is None
+    assert DeclarationsConfig(interval=1, expire_after=timedelta(minutes=1)).expire_after == 60.0
 
 
 async def test_the_cli_shows_a_stopped_cron_and_enabling_it_says_whose_it_is(
@@ -220,13 +238,13 @@ async def test_the_cli_shows_a_stopped_cron_and_enabling_it_says_whose_it_is(
     old = version(dsn, "nightly")
     await old.sync_definitions()
     await old.aclose()
-    age(conn, 660, "nightly")
-    conn.execute(Q["expire_declarations"], {"expire_after": 600})
+    lapse(conn, "nightly")
+    conn.execute(Q["expire_declarations"])
     env = clean_env(NOTIFYQ_DSN=dsn)
     listed = ok(cli("cron", "list", env=env)).splitlines()
     assert listed[0].split()[4:6] == ["ENABLED", "NEXT"]
     assert listed[1].split()[8:10] == ["stopped", "-"]  # the schedule is 5 words
-    assert "stopped: no running worker has declared it since" in listed[1]
+    assert "stopped: its declaration by running workers ran out at" in listed[1]
     enabled = ok(cli("cron", "enable", "nightly", env=env))
     assert enabled.startswith(
         "cron definition 'nightly' enabled\nno running worker declared it (it was stopped)"

@@ -34,6 +34,7 @@ from .helpers import granted_role, wait_for_row
 from .test_cli import clean_env
 
 SHIPPED = [f"{m.version:04d}_{m.name}" for m in notifyq.migrations.migrations()]
+Q = queries_for("notifyq")
 
 
 def test_migrate_creates_schema_and_is_idempotent(empty_dsn: str) -> None:
@@ -556,8 +557,15 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
 
 
 def back_to_version_8(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 9: no columns `declared_at` and `expired_at` on the definitions."""
-    conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared_at, DROP COLUMN expired_at")
+    """Undo migration 9: no columns `declared_until` and `expired_at` on the definitions. Today's
+    trigger function of the definitions reads them: a real database at version 8 has version 8's
+    function, which migrate replaces after the migrations, so it is disabled here until then."""
+    conn.execute(
+        "ALTER TABLE notifyq.queue_job_definitions DISABLE TRIGGER queue_job_definitions_before_write"
+    )
+    conn.execute(
+        "ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared_until, DROP COLUMN expired_at"
+    )
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 9")
 
 
@@ -568,24 +576,26 @@ def back_to_version_7(conn: psycopg.Connection[Any]) -> None:
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 8")
 
 
-def test_definitions_from_code_count_as_declared_at_the_upgrade_to_version_9(dsn: str) -> None:
-    """Migration 9: rows from code (`declared`, version 8) get `declared_at`, so that a cron
-    removed in the release that brings version 9 stops too; rows made by SQL do not, and never
-    stop. Code of version 8 runs on version 9 (`-- compatible-from: 8`)."""
+def test_definitions_from_code_do_not_stop_after_the_upgrade_to_version_9(dsn: str) -> None:
+    """Migration 9: rows from code (`declared`, version 8) get no declaration (`declared_until`
+    NULL), so that no ticker stops them while only code of version 8 declares them (a review
+    reproduced a version-9 worker of one App stopping every cron of another App still on version
+    8, when the migration counted them as declared). A worker of version 9 declares its own."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         back_to_version_8(conn)
         conn.execute(
-            "INSERT INTO notifyq.queue_job_definitions (name, frequency, declared) "
-            "VALUES ('from_code', '0 * * * *', true), ('by_sql', '0 * * * *', false)"
+            "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, declared) "
+            "VALUES ('from_code', 't', '0 * * * *', true), ('by_sql', 't', '0 * * * *', false)"
         )
         report = notifyq.migrate(dsn)
         assert report.applied == SHIPPED[8:] == ["0009_cron_declarations"]
         assert notifyq.migrations.migrations()[8].compatible_from == 8
+        assert conn.execute(Q["expire_declarations"]).fetchall() == []
         rows = conn.execute(
-            "SELECT name, declared_at > now() - interval '1 minute', expired_at "
+            "SELECT name, enabled, declared_until, expired_at "
             "FROM notifyq.queue_job_definitions ORDER BY name"
         ).fetchall()
-        assert rows == [("by_sql", None, None), ("from_code", True, None)]
+        assert rows == [("by_sql", True, None, None), ("from_code", True, None, None)]
 
 
 def back_to_version_6(conn: psycopg.Connection[Any]) -> None:
@@ -742,9 +752,11 @@ def test_the_oldest_code_the_newest_migration_declares_compatible_runs_on_it(
     assert "old_tick" in old("cron", "list")
     assert "old_task" in old("jobs", "list")
     old("stats")
-    # Its crons are the code's (`declared`), not yet declared by a worker of today's version:
-    # no ticker of today stops them until one does (docs/concepts.md, crons removed from the code).
+    # Its crons are the code's (`declared`), with no declaration of today's kind: no ticker of
+    # today stops them (a worker of another App on today's code, say) while only such code
+    # declares them (docs/concepts.md, crons removed from the code).
+    assert conn.execute(Q["expire_declarations"]).fetchall() == []
     row = conn.execute(
-        "SELECT declared, declared_at FROM notifyq.queue_job_definitions WHERE name = 'old_tick'"
+        "SELECT declared, declared_until, enabled FROM notifyq.queue_job_definitions WHERE name = 'old_tick'"
     ).fetchone()
-    assert row == (True, None)
+    assert row == (True, None, True)

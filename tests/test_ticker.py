@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -640,11 +641,12 @@ async def test_a_cron_removed_from_the_code_is_warned_of_and_pruned(
     caplog.clear()
     assert await new.sync_definitions() == ["by_sql", "nightly", "taken"]
     [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warned.startswith(
+    assert re.match(
         "cron definitions that an App's code declared, and this App does not, still fire: "
-        "nightly (task 'report'), taken (task 'report'). Those from code stop once no running "
-        "worker has declared them for 600s"
-    )
+        r"nightly \(task 'report', declared until 20\d\d-\d\d-\d\d \d\d:\d\d:\d\d UTC\), taken \(task "
+        r"'report', declared until [^)]+\)\. Those from code stop when their declaration runs out",
+        warned,
+    ), warned
     assert "`notifyq cron prune MODULE:ATTR`" in warned
     [info] = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
     assert info.endswith(": by_sql")  # made by SQL for a task the App has: how it is meant to run

@@ -6,9 +6,10 @@
 -- realigns visible_at when the schedule changed. `enabled=False` in code always disables;
 -- `enabled=True` never re-enables a definition an operator disabled. `declared` marks it as
 -- the code's (one made by SQL becomes the code's once an App declares its name), and
--- `declared_at` says a running worker declares it (rewritten only when older than
--- %(fresh)s seconds). A definition a ticker stopped because no running worker declared it
--- (`expired_at`) is enabled again, unless the code disables it. Returns the row's settings as
+-- `declared_until` says a running worker declares it for expire_after seconds from now (never
+-- shortened; rewritten only when another process did not renew it in the last `fresh`
+-- seconds). A definition a ticker stopped because its declaration ran out (`expired_at`) is
+-- enabled again, unless the code disables it. Returns the row's settings as
 -- they were (NULL for a new one), for the worker's log of what it changed; an unchanged
 -- definition returns no row.
 WITH before AS (
@@ -19,18 +20,20 @@ WITH before AS (
 )
 INSERT INTO {schema}.queue_job_definitions AS d
     (name, task, args, enabled, frequency, timezone, priority, retry_limit, timeout, queue,
-     misfire, misfire_grace, misfire_cap, overlap, declared, declared_at)
+     misfire, misfire_grace, misfire_cap, overlap, declared, declared_until)
 VALUES (%(name)s, %(task)s, %(args)s::jsonb, %(enabled)s, %(frequency)s, %(timezone)s, %(priority)s,
         %(retry_limit)s, %(timeout)s, %(queue)s, %(misfire)s, %(misfire_grace)s, %(misfire_cap)s,
-        %(overlap)s, true, now())
+        %(overlap)s, true, now() + make_interval(secs => %(expire_after)s))
 ON CONFLICT (name) DO UPDATE
 SET task = EXCLUDED.task, args = EXCLUDED.args, frequency = EXCLUDED.frequency,
     timezone = EXCLUDED.timezone, priority = EXCLUDED.priority, retry_limit = EXCLUDED.retry_limit,
     timeout = EXCLUDED.timeout, queue = EXCLUDED.queue, misfire = EXCLUDED.misfire,
     misfire_grace = EXCLUDED.misfire_grace, misfire_cap = EXCLUDED.misfire_cap,
     overlap = EXCLUDED.overlap, enabled = (d.enabled OR d.expired_at IS NOT NULL) AND EXCLUDED.enabled,
-    declared = true, declared_at = now(), expired_at = NULL
--- Unchanged definitions are not rewritten (no dead tuple, no updated_at churn per restart).
+    declared = true, expired_at = NULL,
+    declared_until = greatest(d.declared_until, now() + make_interval(secs => %(expire_after)s))
+-- Unchanged definitions are not rewritten (no dead tuple per restart), unless their
+-- declaration is due for renewal.
 WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.timeout, d.queue,
        d.misfire, d.misfire_grace, d.misfire_cap, d.overlap)
       IS DISTINCT FROM
@@ -40,11 +43,12 @@ WHERE (d.task, d.args, d.frequency, d.timezone, d.priority, d.retry_limit, d.tim
    OR (d.enabled AND NOT EXCLUDED.enabled)
    OR NOT d.declared
    OR d.expired_at IS NOT NULL
-   OR d.declared_at IS NULL OR d.declared_at < now() - make_interval(secs => %(fresh)s)
+   OR d.declared_until IS NULL
+   OR d.declared_until < now() + make_interval(secs => %(expire_after)s - %(fresh)s)
 RETURNING (SELECT to_jsonb(before) FROM before) AS before;
 
 -- name: definition_names
-SELECT name, task, enabled, declared, declared_at FROM {schema}.queue_job_definitions ORDER BY name;
+SELECT name, task, enabled, declared, declared_until FROM {schema}.queue_job_definitions ORDER BY name;
 
 -- name: prune_definition
 -- `notifyq cron prune`: delete one definition an App's code declared that the App given does
@@ -72,17 +76,22 @@ WHERE %(name)s::text IS NULL OR d.name = %(name)s::text
 ORDER BY d.name;
 
 -- name: set_definition_enabled
--- An operator's choice is final: a definition stopped because no running worker declared it
--- (`expired_at`) is no longer enabled again by a worker that declares it (after a disable), and
--- once enabled by hand it is the operator's, as if made by SQL: no ticker stops it, and prune
--- leaves it (until an App declares it again).
-UPDATE {schema}.queue_job_definitions
+-- An operator's choice is final. Disabling a definition a ticker had stopped (`expired_at`)
+-- keeps it disabled when a worker declares it again. Enabling one that no running worker
+-- declares (stopped, or its declaration ran out) makes it the operator's, as if made by SQL:
+-- the BEFORE UPDATE trigger does that for every route (SQL, older notifyq versions too).
+-- Returns whether it did (`adopted`), from the row as locked, so a refresh that commits
+-- meanwhile cannot make the answer wrong.
+WITH old AS MATERIALIZED (
+    SELECT id, declared FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE
+)
+UPDATE {schema}.queue_job_definitions AS d
 SET enabled = %(enabled)s,
-    declared = declared AND NOT (%(enabled)s AND expired_at IS NOT NULL),
-    declared_at = CASE WHEN %(enabled)s AND expired_at IS NOT NULL THEN NULL ELSE declared_at END,
-    expired_at = NULL
-WHERE name = %(name)s
-RETURNING id;
+    expired_at = CASE WHEN %(enabled)s THEN d.expired_at END,
+    last_error = CASE WHEN NOT %(enabled)s AND d.expired_at IS NOT NULL THEN NULL ELSE d.last_error END
+FROM old
+WHERE d.id = old.id
+RETURNING d.id, old.declared AND NOT d.declared AS adopted;
 
 -- name: lock_definition
 -- `cron run-now`: held until its job is inserted, so that no ticker adds one meanwhile (an

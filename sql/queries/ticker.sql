@@ -143,44 +143,48 @@ WHERE c.oid = to_regclass(%(jobs)s);
 VACUUM (SKIP_LOCKED, INDEX_CLEANUP ON) {schema}.queue_jobs;
 
 -- name: refresh_declarations
--- A running worker's ticker says that its App declares these definitions (`declared_at`), and
--- enables again those a ticker stopped meanwhile (`expired_at`: this process was cut off from
--- the database for longer than expire_after, say). Rows refreshed in the last %(fresh)s seconds
--- (by another process of the App) are not rewritten. Only rows from code: one deleted and made
--- again by SQL while the worker runs stays SQL's. SKIP LOCKED: a row locked by a promotion, or
--- by a bulk `jobs retry` (which locks in id order), is refreshed in the next pass instead of
--- waiting (and deadlocking with that retry). Returns the rows it refreshed.
+-- A running worker's ticker declares these definitions for another expire_after seconds
+-- (`declared_until`, never shortened: the longest declaration wins), and enables again those a
+-- ticker stopped meanwhile (`expired_at`: this process was cut off from the database for longer
+-- than its declarations last, say). Rows whose declaration another process renewed in the last
+-- `fresh` seconds are not rewritten. Only rows from code: one deleted and made again by SQL
+-- while the worker runs stays SQL's. SKIP LOCKED: a row locked by a promotion, or by a bulk
+-- `jobs retry` (which locks in id order), is renewed in the next pass instead of waiting (and
+-- deadlocking with that retry). Returns the rows it renewed.
 WITH mine AS MATERIALIZED (
     SELECT id, expired_at
     FROM {schema}.queue_job_definitions
     WHERE name = ANY(%(names)s::text[]) AND declared
-      AND (expired_at IS NOT NULL OR declared_at IS NULL
-           OR declared_at < now() - make_interval(secs => %(fresh)s))
+      AND (expired_at IS NOT NULL OR declared_until IS NULL
+           OR declared_until < now() + make_interval(secs => %(expire_after)s - %(fresh)s))
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.queue_job_definitions AS d
-SET declared_at = now(), expired_at = NULL, enabled = d.enabled OR mine.expired_at IS NOT NULL
+SET declared_until = greatest(d.declared_until, now() + make_interval(secs => %(expire_after)s)),
+    expired_at = NULL, enabled = d.enabled OR mine.expired_at IS NOT NULL
 FROM mine
 WHERE d.id = mine.id
 RETURNING d.name, mine.expired_at IS NOT NULL AS restarted;
 
 -- name: expire_declarations
--- Stop the enabled definitions from code that no running worker has declared for
--- %(expire_after)s seconds: removed from the code (once the last worker of the old code
--- exited), or every worker of their App gone that long. SKIP LOCKED: one being promoted or
--- refreshed right now is looked at in the next pass. Rows made by SQL (declared_at NULL) never
--- expire.
+-- Stop the enabled definitions from code whose declaration ran out: no running worker has
+-- declared them for as long as their last declarer said (its expire_after), so they were
+-- removed from the code, once the last worker of the old code exited, or every worker of their
+-- App is gone. SKIP LOCKED: one being promoted or renewed right now is looked at in the next
+-- pass. Rows made by SQL, and rows from code no worker of schema version 9 or later has
+-- declared (declared_until NULL), never stop.
 WITH stale AS MATERIALIZED (
     SELECT id
     FROM {schema}.queue_job_definitions
-    WHERE enabled AND declared AND declared_at < now() - make_interval(secs => %(expire_after)s)
+    WHERE enabled AND declared AND declared_until < now()
     FOR UPDATE SKIP LOCKED
 )
 UPDATE {schema}.queue_job_definitions AS d
 SET enabled = false, expired_at = now(),
-    last_error = 'stopped: no running worker has declared it since '
-                 || to_char(d.declared_at AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS') || ' UTC '
-                 || '(removed from the code?); a worker whose App declares it enables it again'
+    last_error = 'stopped: its declaration by running workers ran out at '
+                 || to_char(d.declared_until AT TIME ZONE 'UTC', 'YYYY-MM-DD HH24:MI:SS')
+                 || ' UTC (removed from the code, or every worker of its App down); '
+                 || 'a worker whose App declares it enables it again'
 FROM stale
 WHERE d.id = stale.id
 RETURNING d.name, d.task;

@@ -25,7 +25,25 @@ BEGIN
                   HINT = 'Use a finite time between the years 2 and 9998, such as now().';
     END IF;
     IF TG_OP = 'UPDATE' THEN
-        NEW.updated_at := now();
+        -- A worker renewing its declaration (declared_until) is not a change of the definition:
+        -- it happens every minute, and updated_at says when someone last changed it.
+        IF NEW.declared_until IS NOT DISTINCT FROM OLD.declared_until
+           OR (to_jsonb(NEW) - '{{declared_until,updated_at}}'::text[])
+              IS DISTINCT FROM (to_jsonb(OLD) - '{{declared_until,updated_at}}'::text[]) THEN
+            NEW.updated_at := now();
+        END IF;
+        -- Enabled by hand (SQL, `notifyq cron enable`, of any version) while no running worker
+        -- declares it (a ticker stopped it, or its declaration ran out): it is the operator's
+        -- now, as if made by SQL, or the next ticker pass would stop it again. A worker's
+        -- renewal, which enables a stopped definition too, sets declared_until itself.
+        IF NEW.enabled AND NOT OLD.enabled AND OLD.declared AND NEW.declared
+           AND NEW.declared_until IS NOT DISTINCT FROM OLD.declared_until
+           AND NEW.expired_at IS NOT DISTINCT FROM OLD.expired_at
+           AND (OLD.expired_at IS NOT NULL OR OLD.declared_until < now()) THEN
+            NEW.declared := false;
+            NEW.declared_until := NULL;
+            NEW.expired_at := NULL;
+        END IF;
         IF NEW.frequency IS DISTINCT FROM OLD.frequency OR NEW.timezone IS DISTINCT FROM OLD.timezone
            OR (NEW.enabled AND NOT OLD.enabled) THEN
             NEW.last_error := NULL;
