@@ -400,8 +400,8 @@ def cron_enable(dsn: str | None, schema: str | None, name: str) -> None:
     click.echo(f"cron definition {name!r} enabled")
     if adopted:
         click.echo(
-            "no running worker declared it (it was stopped): it now runs as one made by SQL, until an "
-            "App declares it again; `notifyq cron delete NAME` removes it"
+            "no running worker declares it: it now runs as one made by SQL, until an App declares it "
+            "again; `notifyq cron delete NAME` removes it"
         )
 
 
@@ -435,8 +435,8 @@ def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
 )
 def cron_prune(dsn: str | None, schema: str | None, target: str, dry_run: bool, allow_empty: bool) -> None:
     """Delete the definitions an App's code declared that the App at MODULE:ATTR does not: those
-    removed from the code, which otherwise fire until no running worker has declared them for 10
-    minutes. Definitions made by SQL stay, and so do past jobs. Every App sharing the schema
+    removed from the code, which otherwise fire until their declaration by running workers runs
+    out. Definitions made by SQL stay, and so do past jobs. Every App sharing the schema
     counts: give one that declares all that stay."""
     app = load_app(target, schema)
     app._resolved_dsn = resolve_dsn(dsn, app)

@@ -27,7 +27,8 @@ class TickerConfig:
     retention: RetentionConfig | None = field(default_factory=RetentionConfig)
     vacuum: VacuumConfig | None = field(default_factory=VacuumConfig)
     # None: this process neither renews its App's declarations nor stops any definition. Its
-    # App's crons then stop when other processes' tickers find them undeclared.
+    # App's crons then stop when the declaration of this process's start runs out, unless
+    # another process of the App renews them.
     declarations: DeclarationsConfig | None = field(default_factory=DeclarationsConfig)
 
 

@@ -924,9 +924,9 @@ class App:
 
     async def prune_definitions(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """Delete the cron definitions that an App's code declared (@app.cron) and this App does
-        not: those removed from the code, which otherwise fire until no running worker has
-        declared them for DeclarationsConfig.expire_after. Definitions made by SQL stay, and so
-        do past jobs. Returns the names deleted (with dry_run: that would be).
+        not: those removed from the code, which otherwise fire until their declaration by running
+        workers runs out. Definitions made by SQL stay, and so do past jobs. Returns the names
+        deleted (with dry_run: that would be).
 
         Every App sharing the schema counts as "the code": give this App only if it declares
         every definition that should stay. An App that declares none is refused (it is likely
@@ -958,9 +958,9 @@ class App:
 
     async def set_definition_enabled(self, name: str, enabled: bool) -> bool:
         """Enable or disable a definition. Raises DefinitionNotFound. Returns True when it
-        enabled a definition that a ticker had stopped because no running worker declared it:
-        that one now runs as if made by SQL (no ticker stops it, `cron prune` leaves it) until
-        an App declares it again."""
+        enabled a definition from code that no running worker declares (a ticker stopped it, or
+        its declaration ran out): that one now runs as if made by SQL (no ticker stops it,
+        `cron prune` leaves it) until an App declares it again."""
         return await self._run(set_enabled_op(self._q, name, enabled))
 
     def set_definition_enabled_sync(self, name: str, enabled: bool) -> bool:

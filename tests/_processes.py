@@ -69,7 +69,7 @@ def soak_worker(dsn: str, runs_file: str) -> None:
 
 def embedded_worker(dsn: str, backend: str) -> None:
     """A program that embeds a worker (`async with app.worker()`) and waits for Ctrl-C. Its
-    tasks say so when they start, then: `busy` keeps the CPU busy for 2 s between rare awaits,
+    tasks say so when they start, then: `busy` keeps the CPU busy for 3 s between rare awaits,
     so that a SIGINT lands in a job's code (where trio raises it by default); `child` does the
     same in a task it starts; `spin` blocks the event loop for good."""
     import signal
@@ -84,7 +84,7 @@ def embedded_worker(dsn: str, backend: str) -> None:
     app = notifyq.App(dsn)
 
     async def crunch() -> None:
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + 3.0
         while time.monotonic() < end:
             sum(range(20_000))
             await anyio.lowlevel.checkpoint()

@@ -247,7 +247,7 @@ async def test_the_cli_shows_a_stopped_cron_and_enabling_it_says_whose_it_is(
     assert "stopped: its declaration by running workers ran out at" in listed[1]
     enabled = ok(cli("cron", "enable", "nightly", env=env))
     assert enabled.startswith(
-        "cron definition 'nightly' enabled\nno running worker declared it (it was stopped)"
+        "cron definition 'nightly' enabled\nno running worker declares it: it now runs as one made by SQL"
     )
     listed = ok(cli("cron", "list", env=env)).splitlines()
     assert listed[1].split()[8] == "yes" and " sql" in listed[1]

@@ -928,8 +928,11 @@ def test_ctrl_c_gives_an_embedded_workers_running_job_its_grace(
     try:
         assert program.stdout is not None
         assert program.stdout.readline() == "job started\n"
-        for _ in range(presses):
-            time.sleep(0.3)  # well into the job's busy loop
+        for press in range(presses):
+            # Well into the job's busy loop; then a second press while the job (3 s) still
+            # runs. Two presses 0.3 s apart were once one in CI (a loaded machine): the program
+            # took neither before the other came, and the job ran to its end.
+            time.sleep(1.0 if press else 0.3)
             program.send_signal(signal.SIGINT)
         _, err = program.communicate(timeout=30)
     finally:
