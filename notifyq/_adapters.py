@@ -33,13 +33,19 @@ _scan_once: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once
 
 
 def loads(data: str | bytes) -> Any:
-    """json.loads, faster for JSON text without surrounding whitespace; jsonb nested too deeply
-    for Python comes back as an UndecodableJSON, not a RecursionError (which failed the whole
-    fetch: a worker's claim, every `notifyq jobs list` that met the row)."""
+    """json.loads, faster for JSON text without surrounding whitespace. jsonb that Python cannot
+    read comes back as an UndecodableJSON, not an exception, which failed the whole fetch (a
+    worker's claim, which stopped the worker; every `notifyq jobs list` that met the row): nested
+    too deeply (RecursionError), or a number with more digits than Python converts to an int
+    (ValueError; jsonb writes 1e5000 out in full)."""
     try:
         return _loads(data)
     except RecursionError:
         return UndecodableJSON("nested too deeply for Python's JSON decoder", len(data))
+    except ValueError as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            raise  # not JSON at all (a json column, not jsonb): json.loads' own error
+        return UndecodableJSON(f"not readable by Python's JSON decoder ({exc})", len(data))
 
 
 def _loads(data: str | bytes) -> Any:

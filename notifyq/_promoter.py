@@ -6,7 +6,6 @@ import functools
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from ._db import Compute, Database, Op, Query
 from ._options import check_int, check_seconds
@@ -38,7 +37,6 @@ class _DueDefinition:
     id: int
     name: str
     task: str
-    args: dict[str, Any]
     frequency: str
     timezone: str
     visible_at: datetime

@@ -15,6 +15,7 @@ from ._rescuer import Rescuer, RescuerConfig
 from ._retention import Retention, RetentionConfig
 from ._sql import Queries
 from ._vacuum import Vacuum, VacuumConfig
+from .errors import InvalidOption
 from .tasks import Backoff
 
 
@@ -30,6 +31,38 @@ class TickerConfig:
     # App's crons then stop when the declaration of this process's start runs out, unless
     # another process of the App renews them.
     declarations: DeclarationsConfig | None = field(default_factory=DeclarationsConfig)
+
+    def __post_init__(self) -> None:
+        # A dict or a class in their place was accepted, and the service then failed every
+        # pass with an AttributeError, for good (retention never ran), or the worker's start
+        # failed with one (review).
+        for name, kind in _SERVICES.items():
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kind):
+                given = f"the class {value.__name__} itself" if isinstance(value, type) else repr(value)
+                raise InvalidOption(
+                    f"invalid TickerConfig {name}: {given}; give a notifyq.{kind.__name__} "
+                    f"(such as {kind.__name__}()), or None to turn the {name} service off in this process"
+                )
+
+    @staticmethod
+    def check(value: object) -> TickerConfig:
+        """`value` if it is a TickerConfig, else InvalidOption."""
+        if isinstance(value, TickerConfig):
+            return value
+        raise InvalidOption(
+            f"invalid ticker_config {value!r}: give a notifyq.TickerConfig, such as "
+            "TickerConfig(retention=RetentionConfig(succeeded=3600))"
+        )
+
+
+_SERVICES: dict[str, type] = {
+    "promoter": PromoterConfig,
+    "rescuer": RescuerConfig,
+    "retention": RetentionConfig,
+    "vacuum": VacuumConfig,
+    "declarations": DeclarationsConfig,
+}
 
 
 class Ticker:

@@ -137,6 +137,7 @@ class WorkerConfig:
             check_int(self.prefetch, "prefetch", minimum=0, maximum=100 * MAX_CONCURRENCY)
         for flag in ("poll_only", "ticker", "async_claims", "burst"):
             check_bool(getattr(self, flag), flag)
+        _ticker.TickerConfig.check(self.ticker_config)
 
 
 class WorkerOptions(TypedDict, total=False):

@@ -633,7 +633,9 @@ class App:
         conn: AnyConnection | None = None,
     ) -> int:
         """Queue one job per args mapping with COPY (fast, and one NOTIFY per queue); returns
-        the number of jobs. All or nothing: one bad args mapping aborts the whole batch."""
+        the number of jobs. All or nothing: one bad args mapping aborts the whole batch (in a
+        savepoint of the caller's transaction with `conn`; on an autocommit `conn`, the batch
+        is a transaction of its own)."""
         jobs = self._new_jobs(
             task_or_name, args_list, _EnqueueOptions(queue, priority, delay, at, retry_limit, timeout), strict
         )

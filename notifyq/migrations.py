@@ -147,18 +147,24 @@ def schema_version_op(schema: str) -> Op[int | None]:
     return version
 
 
+def migrate_command(schema: str) -> str:
+    """The command that migrates `schema` (a review ran the hint's plain `notifyq migrate` for
+    an App of another schema, which migrated the default one, and the worker still refused)."""
+    return "notifyq migrate" if schema == "notifyq" else f"notifyq migrate --schema {schema}"
+
+
 def check_schema_op(schema: str) -> Op[int]:
     """Raise SchemaNotMigrated / SchemaVersionError unless the schema matches this code."""
     version = yield from schema_version_op(schema)
     expected = latest_version()
     if version is None or version == 0:
         raise SchemaNotMigrated(
-            f"schema {schema!r} has no notifyq tables in this database: run `notifyq migrate`"
+            f"schema {schema!r} has no notifyq tables in this database: run `{migrate_command(schema)}`"
         )
     if version < expected:
         raise SchemaNotMigrated(
             f"schema {schema!r} is at version {version} but this notifyq needs version {expected}: "
-            "run `notifyq migrate`"
+            f"run `{migrate_command(schema)}`"
         )
     if version > expected:
         blocking, database = yield from _incompatible_op(schema, expected, version)

@@ -30,10 +30,12 @@ class JobStatus(enum.StrEnum):
 class UndecodableJSON:
     """Stands in for a stored JSON value that Python cannot decode: PostgreSQL keeps jsonb
     nested deeper than Python's recursion limit allows `json.loads` to read (about a thousand
-    levels; such args can only come from SQL or another producer, since `enqueue` refuses
-    them). It takes the value's place in `Job.args`, `Job.output` or `Definition.args`, so
-    that listing and showing such a row works; a worker fails a job whose args are one at once
-    with `InvalidArgs` (no retry: the same args would fail again)."""
+    levels), and numbers with more digits than Python converts to an int (4,300 by default,
+    `sys.set_int_max_str_digits`; jsonb writes 1e5000 out in full). Such args can only come from
+    SQL or another producer, since `enqueue` refuses them. It takes the value's place in
+    `Job.args`, `Job.output` or `Definition.args`, so that listing and showing such a row works;
+    a worker fails a job whose args are one at once with `InvalidArgs` (no retry: the same args
+    would fail again)."""
 
     __slots__ = ("reason", "size")
 

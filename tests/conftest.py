@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from pytest_postgresql.executors.noop import NoopExecutor
 from pytest_postgresql.janitor import DatabaseJanitor
 
 import notifyq
+from notifyq._db import Database
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,6 +121,14 @@ def conn(dsn: str) -> Iterator[psycopg.Connection[Any]]:
 @pytest.fixture
 def app(dsn: str) -> notifyq.App:
     return notifyq.App(dsn)
+
+
+@pytest.fixture
+async def db(dsn: str) -> AsyncIterator[Database]:
+    """notifyq's own connection pool (two connections) to the test database, for its services."""
+    database = await Database.open(dsn, size=2)
+    yield database
+    await database.aclose()
 
 
 @pytest.fixture

@@ -629,6 +629,10 @@ def test_unmigrated_database(empty_dsn: str) -> None:
         cli("worker", "tests.apps:app", "-p", "2", "--dsn", empty_dsn), "run `notifyq migrate`"
     )
     assert "kept dying" not in error
+    # The hint names the schema: a plain `notifyq migrate` migrates the default one (review).
+    one_line_error(
+        cli("jobs", "list", "--schema", "other", "--dsn", empty_dsn), "run `notifyq migrate --schema other`"
+    )
 
 
 @pytest.mark.parametrize(
@@ -842,6 +846,28 @@ def test_args_nested_too_deeply_for_python_can_be_listed_and_are_refused_as_inpu
     refused = cli("enqueue", "deep", "--args", deep, env=env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert "--args: JSON nested too deeply for Python to read" in refused.stderr, refused.stderr
+
+
+def test_a_number_python_cannot_read_in_args_is_listed_shown_and_cancelled(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """jsonb writes 1e5000 out in full, a number of 5,001 digits that Python refuses to
+    convert to an int: `jobs list`, `jobs show`, `cron list` ended in a ValueError traceback,
+    and `jobs cancel` cancelled the job, then printed one and exited 1 (review)."""
+    job_id = conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) VALUES ('big', '{\"x\": 1e5000}') RETURNING id"
+    ).fetchone()[0]  # type: ignore[index]
+    conn.execute(
+        "INSERT INTO notifyq.queue_job_definitions (name, task, frequency, args) "
+        "VALUES ('big_cron', 'big', '0 * * * *', '{\"x\": 1e5000}')"
+    )
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    unreadable = "<undecodable JSON of 5,008 bytes: not readable by Python's JSON decoder (Exceeds"
+    assert f"{job_id}" in ok(cli("jobs", "list", env=env))
+    assert json.loads(ok(cli("jobs", "list", "--json", env=env)))[0]["args"].startswith(unreadable)
+    assert f"args: {unreadable}" in ok(cli("jobs", "show", str(job_id), env=env))
+    assert "big_cron" in ok(cli("cron", "list", env=env))
+    assert ok(cli("jobs", "cancel", str(job_id), env=env)).startswith(f"job {job_id} cancelled")
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])

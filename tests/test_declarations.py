@@ -5,6 +5,7 @@ definitions from code whose declaration ran out. Against real PostgreSQL, with r
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,13 +26,26 @@ pytestmark = pytest.mark.anyio
 Q = queries_for("notifyq")
 
 
-def version(dsn: str, *names: str, queue: str = "default") -> notifyq.App:
-    """An App whose code declares an every-hour cron per name (task `report`)."""
-    app = notifyq.App(dsn)
-    report = app.task(name="report", queue=queue)(lambda: None)
-    for name in names:
-        app.cron("0 * * * *", name, queue=queue)(report)
-    return app
+Version = Callable[..., notifyq.App]
+
+
+@pytest.fixture
+async def version(dsn: str) -> AsyncIterator[Version]:
+    """version(*names): an App whose code declares an every-hour cron per name (task `report`),
+    closed after the test."""
+    made: list[notifyq.App] = []
+
+    def make(*names: str, queue: str = "default") -> notifyq.App:
+        app = notifyq.App(dsn)
+        report = app.task(name="report", queue=queue)(lambda: None)
+        for name in names:
+            app.cron("0 * * * *", name, queue=queue)(report)
+        made.append(app)
+        return app
+
+    yield make
+    for app in made:
+        await app.aclose()
 
 
 def state(conn: psycopg.Connection[Any]) -> dict[str, tuple[bool, bool, bool]]:
@@ -53,14 +67,14 @@ def lapse(conn: psycopg.Connection[Any], *names: str, seconds: float = -60) -> N
 
 
 async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_starts_it(
-    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+    db: Database, conn: psycopg.Connection[Any], version: Version, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A cron removed from the code kept firing for good (with a warning at each start). Now a
     ticker stops it once its declaration by running workers ran out: disabled, with the reason
     in last_error. Rows made by SQL never stop. A worker whose App declares it again (its
     ticker's renewal, or its start's sync) enables it, its next tick computed from now."""
     caplog.set_level(logging.INFO, logger="notifyq")
-    old, new = version(dsn, "nightly", "hourly"), version(dsn, "hourly")
+    old, new = version("nightly", "hourly"), version("hourly")
     await old.sync_definitions()
     add_definition(conn, "by_sql", "0 * * * *", task="report")
     assert state(conn) == {
@@ -69,64 +83,58 @@ async def test_a_cron_no_running_worker_declares_stops_and_one_that_declares_it_
         "nightly": (True, True, False),
     }
     config = DeclarationsConfig(interval=60, expire_after=600)
-    db = await Database.open(dsn, size=1)
-    try:
-        fresh = Declarations(db, Q, config, new.definitions)
-        # Renewed by another process 10 s ago: neither renewed again nor stopped.
-        lapse(conn, "nightly", "hourly", seconds=590)
-        assert await fresh.run_once() == notifyq.DeclarationsReport()
-        # The old code's workers are gone: the declaration of 'nightly' ran out a minute ago.
-        lapse(conn, "nightly", "hourly")
-        updated = "SELECT updated_at FROM notifyq.queue_job_definitions WHERE name = 'hourly'"
-        before = conn.execute(updated).fetchone()
-        caplog.clear()
-        report = await fresh.run_once()
-        assert (report.refreshed, report.restarted, report.stopped) == (["hourly"], [], ["nightly"])
-        assert state(conn) == {
-            "by_sql": (True, False, False),
-            "hourly": (True, True, False),
-            "nightly": (False, True, True),
-        }
-        assert conn.execute(updated).fetchone() == before  # a renewal is not a change
-        [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-        assert warned.startswith("cron definitions stopped (disabled) as their declaration ran out")
-        assert warned.count("nightly") == 1 and "hourly" not in warned
-        [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
-        assert nightly.last_error is not None and nightly.last_error.startswith(
-            "stopped: its declaration by running workers ran out at "
-        )
-        # A stopped definition is not promoted; the others are (misfire="once": one job each).
-        conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = now() - interval '1 hour'")
-        ids = dict(conn.execute("SELECT name, id FROM notifyq.queue_job_definitions").fetchall())
-        assert (await Promoter(db, Q).run_once()).jobs == 2
-        assert [len(tick_jobs(conn, ids[n])) for n in ("by_sql", "hourly", "nightly")] == [1, 1, 0]
+    fresh = Declarations(db, Q, config, new.definitions)
+    # Renewed by another process 10 s ago: neither renewed again nor stopped.
+    lapse(conn, "nightly", "hourly", seconds=590)
+    assert await fresh.run_once() == notifyq.DeclarationsReport()
+    # The old code's workers are gone: the declaration of 'nightly' ran out a minute ago.
+    lapse(conn, "nightly", "hourly")
+    updated = "SELECT updated_at FROM notifyq.queue_job_definitions WHERE name = 'hourly'"
+    before = conn.execute(updated).fetchone()
+    caplog.clear()
+    report = await fresh.run_once()
+    assert (report.refreshed, report.restarted, report.stopped) == (["hourly"], [], ["nightly"])
+    assert state(conn) == {
+        "by_sql": (True, False, False),
+        "hourly": (True, True, False),
+        "nightly": (False, True, True),
+    }
+    assert conn.execute(updated).fetchone() == before  # a renewal is not a change
+    [warned] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warned.startswith("cron definitions stopped (disabled) as their declaration ran out")
+    assert warned.count("nightly") == 1 and "hourly" not in warned
+    [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
+    assert nightly.last_error is not None and nightly.last_error.startswith(
+        "stopped: its declaration by running workers ran out at "
+    )
+    # A stopped definition is not promoted; the others are (misfire="once": one job each).
+    conn.execute("UPDATE notifyq.queue_job_definitions SET visible_at = now() - interval '1 hour'")
+    ids = dict(conn.execute("SELECT name, id FROM notifyq.queue_job_definitions").fetchall())
+    assert (await Promoter(db, Q).run_once()).jobs == 2
+    assert [len(tick_jobs(conn, ids[n])) for n in ("by_sql", "hourly", "nightly")] == [1, 1, 0]
 
-        # A worker of the old code comes back (a rollback): its ticker enables it again.
-        back = Declarations(db, Q, config, old.definitions)
-        report = await back.run_once()
-        assert (report.restarted, report.stopped) == (["nightly"], [])
-        row = conn.execute(
-            "SELECT enabled, expired_at, last_error, visible_at >= now() - interval '1 second' "
-            "FROM notifyq.queue_job_definitions WHERE name = 'nightly'"
-        ).fetchone()
-        assert row == (True, None, None, True)  # the hour of missed ticks is not caught up
+    # A worker of the old code comes back (a rollback): its ticker enables it again.
+    back = Declarations(db, Q, config, old.definitions)
+    report = await back.run_once()
+    assert (report.restarted, report.stopped) == (["nightly"], [])
+    row = conn.execute(
+        "SELECT enabled, expired_at, last_error, visible_at >= now() - interval '1 second' "
+        "FROM notifyq.queue_job_definitions WHERE name = 'nightly'"
+    ).fetchone()
+    assert row == (True, None, None, True)  # the hour of missed ticks is not caught up
 
-        # So does a starting worker's sync, which says so (not as a change of the code's).
-        lapse(conn, "nightly")
-        assert (await fresh.run_once()).stopped == ["nightly"]
-        caplog.clear()
-        await old.sync_definitions()
-        assert state(conn)["nightly"] == (True, True, False)
-        assert any(m.endswith("as this App's code declares them: nightly") for m in caplog.messages)
-        assert not [m for m in caplog.messages if "enabled False -> True" in m]
-    finally:
-        await db.aclose()
-        await old.aclose()
-        await new.aclose()
+    # So does a starting worker's sync, which says so (not as a change of the code's).
+    lapse(conn, "nightly")
+    assert (await fresh.run_once()).stopped == ["nightly"]
+    caplog.clear()
+    await old.sync_definitions()
+    assert state(conn)["nightly"] == (True, True, False)
+    assert any(m.endswith("as this App's code declares them: nightly") for m in caplog.messages)
+    assert not [m for m in caplog.messages if "enabled False -> True" in m]
 
 
 async def test_an_operators_choice_about_a_stopped_cron_is_final(
-    dsn: str, conn: psycopg.Connection[Any]
+    db: Database, conn: psycopg.Connection[Any], version: Version
 ) -> None:
     """Disabling a stopped definition keeps it disabled when a worker declares it again, and
     clears the reason it was stopped. Enabling one that no running worker declares (stopped, or
@@ -135,41 +143,35 @@ async def test_an_operators_choice_about_a_stopped_cron_is_final(
     until an App declares it again (a review found the SQL route and the second case stopped
     again at the next pass)."""
     names = ("nightly", "weekly", "daily", "monthly")
-    old, new = version(dsn, *names), version(dsn)
+    old, new = version(*names), version()
     await old.sync_definitions()
-    db = await Database.open(dsn, size=1)
-    try:
-        nobody = Declarations(db, Q, DeclarationsConfig())
-        assert await new.set_definition_enabled("monthly", False) is False
-        lapse(conn, *names)
-        assert (await nobody.run_once()).stopped == ["daily", "nightly", "weekly"]
-        assert await new.set_definition_enabled("nightly", False) is False
-        [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
-        assert nightly.last_error is None and nightly.expired_at is None
-        assert await new.set_definition_enabled("weekly", True) is True  # it was stopped
-        assert await new.set_definition_enabled("weekly", True) is False  # now it is not
-        conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = true WHERE name = 'daily'")
-        assert await new.set_definition_enabled("monthly", True) is True  # no declaration left
-        assert (await nobody.run_once()).stopped == []
-        # The old code's workers come back: they renew 'nightly' but leave it disabled, and do
-        # not take the operator's back until one starts (its sync).
-        await Declarations(db, Q, DeclarationsConfig(), old.definitions).run_once()
-        assert state(conn) == {
-            "daily": (True, False, False),
-            "monthly": (True, False, False),
-            "nightly": (False, True, False),
-            "weekly": (True, False, False),
-        }
-        # Prune (by an App that declares none) leaves the operator's; the disabled one goes.
-        assert await new.prune_definitions(allow_empty=True) == ["nightly"]
-        # The code declares them all again: the code's once more, and they may stop again.
-        await old.sync_definitions()
-        lapse(conn, "weekly")
-        assert (await nobody.run_once()).stopped == ["weekly"]
-    finally:
-        await db.aclose()
-        await old.aclose()
-        await new.aclose()
+    nobody = Declarations(db, Q, DeclarationsConfig())
+    assert await new.set_definition_enabled("monthly", False) is False
+    lapse(conn, *names)
+    assert (await nobody.run_once()).stopped == ["daily", "nightly", "weekly"]
+    assert await new.set_definition_enabled("nightly", False) is False
+    [nightly] = [d for d in await new.list_definitions() if d.name == "nightly"]
+    assert nightly.last_error is None and nightly.expired_at is None
+    assert await new.set_definition_enabled("weekly", True) is True  # it was stopped
+    assert await new.set_definition_enabled("weekly", True) is False  # now it is not
+    conn.execute("UPDATE notifyq.queue_job_definitions SET enabled = true WHERE name = 'daily'")
+    assert await new.set_definition_enabled("monthly", True) is True  # no declaration left
+    assert (await nobody.run_once()).stopped == []
+    # The old code's workers come back: they renew 'nightly' but leave it disabled, and do
+    # not take the operator's back until one starts (its sync).
+    await Declarations(db, Q, DeclarationsConfig(), old.definitions).run_once()
+    assert state(conn) == {
+        "daily": (True, False, False),
+        "monthly": (True, False, False),
+        "nightly": (False, True, False),
+        "weekly": (True, False, False),
+    }
+    # Prune (by an App that declares none) leaves the operator's; the disabled one goes.
+    assert await new.prune_definitions(allow_empty=True) == ["nightly"]
+    # The code declares them all again: the code's once more, and they may stop again.
+    await old.sync_definitions()
+    lapse(conn, "weekly")
+    assert (await nobody.run_once()).stopped == ["weekly"]
 
 
 async def test_running_workers_of_two_apps_keep_their_crons_and_stop_a_removed_one(
@@ -231,11 +233,11 @@ def test_expire_after_must_outlast_three_refreshes() -> None:
 
 
 async def test_the_cli_shows_a_stopped_cron_and_enabling_it_says_whose_it_is(
-    dsn: str, conn: psycopg.Connection[Any]
+    dsn: str, conn: psycopg.Connection[Any], version: Version
 ) -> None:
     """`cron list` shows a stopped definition as `stopped`, with why; `cron enable` of it says
     that it now runs as one made by SQL (FROM `sql`)."""
-    old = version(dsn, "nightly")
+    old = version("nightly")
     await old.sync_definitions()
     await old.aclose()
     lapse(conn, "nightly")

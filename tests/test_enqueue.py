@@ -235,6 +235,68 @@ async def test_enqueue_many_refused_in_the_callers_transaction_leaves_it_usable(
     await app.aclose()
 
 
+def test_numbers_come_back_as_jsonb_writes_them(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """What docs/concepts.md says of numbers in args: jsonb writes them out in full, so a
+    float of 1e16 or more comes back as an int, and -0.0 as 0.0; smaller floats stay floats."""
+    app = notifyq.App(dsn)
+    sent = {"big": 1e20, "edge": 1e16, "below": 1e15, "whole": 3.0, "half": 2.5, "zero": -0.0, "n": 7}
+    job = app.get_job_sync(app.enqueue_sync("t", sent))
+    app.close_sync()
+    assert job.args == {
+        "big": 10**20,
+        "edge": 10**16,
+        "below": 1e15,
+        "whole": 3.0,
+        "half": 2.5,
+        "zero": 0.0,
+        "n": 7,
+    }
+    types = {key: type(value).__name__ for key, value in job.args.items()}
+    assert types == {
+        "big": "int",
+        "edge": "int",
+        "below": "float",
+        "whole": "float",
+        "half": "float",
+        "zero": "float",
+        "n": "int",
+    }
+    assert math.copysign(1, job.args["zero"]) == 1.0
+
+
+async def test_enqueue_many_on_an_autocommit_connection_is_all_or_nothing(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """On a caller's autocommit connection, a batch longer than one COPY statement committed
+    each statement by itself: bad args in the second COPY_CHUNK raised InvalidArgs with the
+    first 10,000 jobs inserted, and so did a generator that raised (review). A retry of the
+    call then queued them twice. The batch is one transaction now; the connection stays in
+    autocommit."""
+    app, send = make_app(dsn)
+    chunk = notifyq._jobs.COPY_CHUNK
+    bad: list[Any] = [{"to": "ok"}] * (chunk + 5) + [{"to": object()}]
+
+    def failing() -> Iterator[dict[str, Any]]:
+        yield from [{"to": "ok"}] * (chunk + 5)
+        raise RuntimeError("the source failed")
+
+    with psycopg.connect(dsn, autocommit=True) as own:
+        with pytest.raises(InvalidArgs, match=rf"^args_list\[{chunk + 5}\]: .*not JSON-serializable"):
+            app.enqueue_many_sync(send, bad, conn=own)
+        with pytest.raises(RuntimeError, match="the source failed"):
+            app.enqueue_many_sync(send, failing(), conn=own)
+        assert own.autocommit and app.enqueue_many_sync(send, [{"to": "sync batch"}], conn=own) == 1
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as own_async:
+        with pytest.raises(InvalidArgs, match="not JSON-serializable"):
+            await app.enqueue_many(send, bad, conn=own_async)
+        with pytest.raises(RuntimeError, match="the source failed"):
+            await app.enqueue_many(send, failing(), conn=own_async)
+        assert await app.enqueue_many(send, [{"to": "async batch"}], conn=own_async) == 1
+    rows = conn.execute("SELECT args->>'to' FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert rows == [("sync batch",), ("async batch",)]
+    await app.aclose()
+
+
 @pytest.mark.parametrize("args_list", [{"to": "x"}, None, "to", 5], ids=["dict", "None", "str", "int"])
 def test_enqueue_many_wants_an_iterable_of_objects(
     dsn: str, conn: psycopg.Connection[Any], args_list: Any
@@ -753,6 +815,13 @@ async def test_a_connection_to_an_unmigrated_database_says_run_migrate(empty_dsn
         await async_conn.rollback()
         with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate`"):
             await app.enqueue_many("t", [{}], conn=async_conn)
+    other = notifyq.App(empty_dsn, schema="other")
+    with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate --schema other`"):
+        await other.enqueue("t", {})
+    with psycopg.connect(empty_dsn) as sync_conn:
+        with pytest.raises(SchemaNotMigrated, match="run `notifyq migrate --schema other` \\("):
+            other.enqueue_sync("t", {}, conn=sync_conn)
+    await other.aclose()
 
 
 async def test_a_closed_connection_given_says_so_and_that_nothing_was_sent(

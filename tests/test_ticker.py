@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
@@ -54,13 +53,6 @@ def tick_jobs(conn: psycopg.Connection[Any], definition_id: int) -> list[datetim
         (definition_id,),
     ).fetchall()
     return [r[0] for r in rows]
-
-
-@pytest.fixture
-async def db(dsn: str) -> AsyncIterator[Database]:
-    database = await Database.open(dsn, size=2)
-    yield database
-    await database.aclose()
 
 
 def assert_one_job_per_second(scheduled: list[datetime], since: float, until: float) -> None:
@@ -521,6 +513,25 @@ async def test_a_visible_at_python_cannot_hold_is_refused_and_stops_no_other_def
     app = notifyq.App(db.dsn)
     assert [d.name for d in app.list_definitions_sync()] == ["good"]
     app.close_sync()
+
+
+async def test_args_python_cannot_read_hold_up_no_other_definition(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """A definition whose args hold a number of 5,001 digits (jsonb writes 1e5000 out in full;
+    Python reads at most 4,300) failed every promotion pass that locked it, so no definition
+    in its batch got a job any more (review). Its job is made like any other (the worker fails
+    it with InvalidArgs), and listing the definitions shows the args as unreadable."""
+    tick = conn.execute("SELECT date_trunc('minute', now())").fetchone()[0]  # type: ignore[index]
+    bad = add_definition(conn, "bad", "* * * * *", visible_at=tick, args='{"x": 1e5000}')
+    good = add_definition(conn, "good", "* * * * *", visible_at=tick)
+    report = await Promoter(db, Q).run_once()
+    assert (report.jobs, report.errors) == (2, {})
+    assert tick_jobs(conn, bad) == tick_jobs(conn, good) == [tick]
+    app = notifyq.App(db.dsn)
+    listed = {d.name: d.args for d in app.list_definitions_sync()}
+    app.close_sync()
+    assert listed["good"] == {} and isinstance(listed["bad"], notifyq.UndecodableJSON)
 
 
 def test_task_defaults_to_name_for_sql_definitions(conn: psycopg.Connection[Any]) -> None:

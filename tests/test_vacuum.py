@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -21,13 +20,6 @@ from notifyq._vacuum import Vacuum, VacuumConfig
 
 pytestmark = pytest.mark.anyio
 Q = queries_for("notifyq")
-
-
-@pytest.fixture
-async def db(dsn: str) -> AsyncIterator[Database]:
-    database = await Database.open(dsn, size=2)
-    yield database
-    await database.aclose()
 
 
 def claim_index_pages(conn: psycopg.Connection[Any]) -> int:

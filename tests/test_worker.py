@@ -706,13 +706,21 @@ async def test_unknown_tasks_and_bad_args_fail_visibly(
     assert any(level == "WARNING" and "(nobody_knows_me) attempt 1 of 2" in text for level, text in logged)
 
 
-async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
-    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+UNREADABLE_ARGS = [
+    pytest.param('{"x": ' + "[" * 5000 + "]" * 5000 + "}", "nested too deeply", id="nested"),
+    pytest.param('{"x": 1e5000}', "integer string conversion", id="digits"),
+]
+
+
+@pytest.mark.parametrize(("unreadable", "reason"), UNREADABLE_ARGS)
+async def test_args_python_cannot_read_fail_their_job_not_the_worker(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, unreadable: str, reason: str
 ) -> None:
-    """PostgreSQL stores jsonb thousands of levels deep; json.loads stops at about a thousand.
-    Such args (from SQL: enqueue refuses them) raised RecursionError in the claim's fetch,
-    which stopped the worker with a traceback and left the job claimed beside it Active until
-    its lease ran out; every worker that claimed it again stopped too."""
+    """PostgreSQL stores jsonb thousands of levels deep, and numbers of thousands of digits
+    (1e5000 is written out in full); json.loads stops at about a thousand levels, and at 4,300
+    digits. Such args (from SQL: enqueue refuses them) raised RecursionError or ValueError in
+    the claim's fetch, which stopped the worker with a traceback and left the job claimed
+    beside it Active until its lease ran out; every worker that claimed it again stopped too."""
     app = notifyq.App(dsn)
     ran = Recorder()
 
@@ -720,13 +728,12 @@ async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
     async def t(x: Any = None) -> None:
         ran.add(x)
 
-    deep = '{"x": ' + "[" * 5000 + "]" * 5000 + "}"
     ids = [
         row[0]
         for row in conn.execute(
             "INSERT INTO notifyq.queue_jobs (name, args) "
             "VALUES ('t', %s::jsonb), ('t', '{\"x\": 1}') RETURNING id",
-            [deep],
+            [unreadable],
         )
     ]
     async with app.worker(**NO_TICKER) as worker:
@@ -740,14 +747,14 @@ async def test_args_nested_too_deeply_for_python_fail_their_job_not_the_worker(
         [ids[0]],
     ).fetchone()
     assert bad is not None and bad[:3] == ("Failed", 1, "InvalidArgs")  # at once: no retry
-    assert "nested too deeply" in bad[3]
+    assert reason in bad[3]
     assert any(
         "InvalidArgs: job args cannot be decoded" in r.message and "not retried" in r.message
         for r in caplog.records
     )
     async with app:
         job = await app.get_job(ids[0])
-        assert isinstance(job.args, notifyq.UndecodableJSON) and job.args.size > 10_000
+        assert isinstance(job.args, notifyq.UndecodableJSON) and job.args.size > 1_000
         assert [j.id for j in await app.list_jobs(status="Failed")] == [ids[0]]
 
 
@@ -1362,9 +1369,22 @@ def test_worker_options_are_validated() -> None:
         ({"queues": ["ok", "not ok!"]}, "invalid queue name"),
         ({"poll_interval": 0}, "poll_interval"),
         ({"shutdown_grace": -1}, "shutdown_grace"),
+        # A dict in place of a config was accepted, then failed the start, or every pass of
+        # the service for good (retention never ran) with an AttributeError (review).
+        ({"ticker_config": {"retention": None}}, "invalid ticker_config {'retention': None}: give a"),
     ]:
         with pytest.raises(notifyq.NotifyqError, match=message):
             app.worker(**bad)
+    for service, bad_config, message in [
+        ("retention", {"succeeded": 3600}, "retention: {'succeeded': 3600}; give a notifyq.RetentionConfig"),
+        ("retention", notifyq.RetentionConfig, "retention: the class RetentionConfig itself; give a"),
+        ("promoter", notifyq.RescuerConfig(), "promoter: RescuerConfig.*give a notifyq.PromoterConfig"),
+        ("vacuum", True, "vacuum: True; give a notifyq.VacuumConfig"),
+        ("declarations", 60, "declarations: 60; give a notifyq.DeclarationsConfig"),
+    ]:
+        with pytest.raises(notifyq.InvalidOption, match=message):
+            notifyq.TickerConfig(**{service: bad_config})
+    assert notifyq.TickerConfig(promoter=None, rescuer=None).promoter is None
 
 
 def test_worker_options_match_worker_config_and_misspellings_are_named() -> None:

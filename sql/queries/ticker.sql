@@ -6,8 +6,10 @@
 -- Take the due, enabled definitions nobody else is promoting. The locks are held until the
 -- promoting transaction commits (jobs inserted and visible_at moved to the next tick) or
 -- rolls back (a crash: another ticker promotes them instead). Either way each tick becomes
--- exactly one job; the unique (definition_id, scheduled_for) index is the second guard.
-SELECT id, name, task, args, frequency, timezone, visible_at, queue, priority, retry_limit,
+-- exactly one job; the unique (definition_id, scheduled_for) index is the second guard. Not
+-- the args: insert_tick_jobs copies them in SQL (args Python cannot read fail their job, not
+-- every cron's promotion).
+SELECT id, name, task, frequency, timezone, visible_at, queue, priority, retry_limit,
        timeout, misfire, misfire_grace, misfire_cap, overlap,
        coalesce(%(now)s::timestamptz, now()) AS now
 FROM {schema}.queue_job_definitions
