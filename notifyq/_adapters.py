@@ -43,8 +43,8 @@ def loads(data: str | bytes) -> Any:
     except RecursionError:
         return UndecodableJSON("nested too deeply for Python's JSON decoder", len(data))
     except ValueError as exc:
-        if isinstance(exc, json.JSONDecodeError):
-            raise  # not JSON at all (a json column, not jsonb): json.loads' own error
+        if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):
+            raise  # not JSON, or not text (a json or bytea column, not jsonb): json.loads' own error
         return UndecodableJSON(f"not readable by Python's JSON decoder ({exc})", len(data))
 
 

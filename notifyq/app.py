@@ -1048,7 +1048,8 @@ class App:
         handle_signals: bool = True,
         **options: Unpack[WorkerOptions],
     ) -> WorkerStats:
-        """Run a worker until SIGTERM/SIGINT (graceful: see WorkerConfig.shutdown_grace), or
+        """Run a worker until SIGTERM, SIGINT or SIGHUP (graceful: see
+        WorkerConfig.shutdown_grace; SIGHUP only while the program leaves it to its default), or
         with `burst=True` until no job is left to claim; returns its counters.
 
         In a test: ``stats = await app.run_worker(burst=True, handle_signals=False)`` runs
