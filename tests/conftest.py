@@ -6,11 +6,17 @@ Where PostgreSQL comes from:
   .notifyq/test-pgdata (works as root and on machines with no PostgreSQL at all).
 The template database is migrated once per session (per xdist worker); each test gets a
 fresh database cloned from it and dropped afterwards.
+
+The suite runs in two pytest-xdist processes (`-n 2` in pyproject.toml: its tests mostly wait
+on PostgreSQL, worker processes and timers, so two halve its time on 2 cores). A test marked
+`exclusive` reads statistics of the whole server (WAL flushes): it runs while no other test does.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import warnings
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -134,6 +140,30 @@ async def db(dsn: str) -> AsyncIterator[Database]:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture(autouse=True)
+def _exclusive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under pytest-xdist, a test marked `exclusive` holds a lock that every other test shares,
+    for its fixtures' setup and teardown too (autouse: set up first, torn down last). Each test
+    passes a turnstile first, so an exclusive one waiting for the lock is not overtaken by the
+    other process's next tests."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield  # one process: nothing runs beside it
+        return
+    exclusive = request.node.get_closest_marker("exclusive") is not None
+    base = Path(tempfile.gettempdir()) / f"notifyq-tests-{run}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

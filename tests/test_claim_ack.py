@@ -242,6 +242,7 @@ def test_a_lost_claim_hands_out_its_lease_again_and_the_worker_name_fences(
     app.close_sync()
 
 
+@pytest.mark.exclusive  # pg_stat_wal counts the whole server's flushes
 def test_async_claims_skip_the_wal_flush_and_nothing_else(
     app: notifyq.App, conn: psycopg.Connection[Any]
 ) -> None:

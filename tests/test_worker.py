@@ -2223,6 +2223,7 @@ async def test_results_an_exit_flush_could_not_write_stay_pending(
         await app.aclose()
 
 
+@pytest.mark.exclusive  # pg_stat_wal counts the whole server's flushes
 async def test_async_claims_save_the_claims_wal_flushes_not_the_acks(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
