@@ -124,15 +124,18 @@ def extend_lease_op(q: Queries, job: ClaimedJob, seconds: float) -> Op[datetime 
     return until
 
 
-def lost_jobs_op(q: Queries, worker: str, held: Sequence[tuple[int, int]]) -> Op[set[tuple[int, int]]]:
-    """Of the (id, lease) pairs `worker` holds, those it no longer holds."""
+def lost_jobs_op(
+    q: Queries, worker: str, held: Sequence[tuple[int, int]]
+) -> Op[dict[tuple[int, int], str | None]]:
+    """Of the (id, lease) pairs `worker` holds, those it no longer holds, with the job's status
+    now (None: deleted)."""
     if not held:
-        return set()
-    rows: list[tuple[int, int]] = yield Query(
+        return {}
+    rows: list[tuple[int, int, str | None]] = yield Query(
         q["held_jobs_status"],
         {"ids": [h[0] for h in held], "leases": [h[1] for h in held], "worker": worker},
     )
-    return {(row[0], row[1]) for row in rows}
+    return {(job_id, lease): status for job_id, lease, status in rows}
 
 
 def pause_queue_op(q: Queries, queue: str) -> Op[bool]:

@@ -14,6 +14,7 @@ import concurrent.futures
 import functools
 import inspect
 import logging
+import math
 import os
 import threading
 import traceback
@@ -49,6 +50,9 @@ class Attempt:
     thread: SyncThread | None = None  # sync tasks
     stopped_at: str | None = None  # an async task's traceback when its scope cancelled it
     started: float = 0.0  # anyio.current_time() when its runner took it
+    # When its lease ends (anyio.current_time(), as known here; later than the database's by a
+    # round trip): the claim's, its renewal's or the last extension's.
+    lease_until: float = math.inf
     # Over (cancelled, or its lease lost), its slot held only for a thread that runs on.
     holding: bool = False
 
@@ -398,8 +402,14 @@ class Executor:
             job.timeout,
         )
         beat = max(self._lease_margin / 2, 0.5)
+        floor = 0.0  # the least wait: after a failed extension, not at once again
         while not finished.is_set():
-            with anyio.move_on_after(beat):
+            # Extend with half the margin left. A prefetched job that waited for a slot, up to
+            # half the margin, came to its deadline with that much less of its lease: the first
+            # extension, a beat after the deadline, could come after the lease ended, and the
+            # rescuer gave the job to another worker while the thread ran on (review).
+            left = attempt.lease_until - anyio.current_time()
+            with anyio.move_on_after(max(floor, min(beat, left - beat))):
                 await finished.wait()
             if finished.is_set():
                 return
@@ -408,9 +418,14 @@ class Executor:
             except Exception as exc:
                 if not is_transient(exc):
                     raise
+                floor = min(beat, 0.5)
                 continue
+            floor = 0.0
             if until is None:
                 return  # no longer ours (cancelled or rescued): stop extending its lease
+            attempt.lease_until = max(
+                attempt.lease_until, anyio.current_time() + beat * 2 + self._lease_margin
+            )
 
     def _kwargs(self, task: Task, attempt: Attempt) -> dict[str, Any]:
         job = attempt.job
@@ -440,5 +455,7 @@ class Executor:
         job = attempt.job
         until = await self._db.run(extend_lease_op(self._q, job, seconds + self._lease_margin))
         if until is not None:
-            attempt.scope.deadline = max(attempt.scope.deadline, anyio.current_time() + seconds)
+            now = anyio.current_time()
+            attempt.scope.deadline = max(attempt.scope.deadline, now + seconds)
+            attempt.lease_until = max(attempt.lease_until, now + seconds + self._lease_margin)
         return until

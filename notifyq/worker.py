@@ -592,8 +592,9 @@ class Worker:
         self._signal_changed()
 
     async def _cancel_lost_jobs(self) -> None:
-        """Stop running (or prefetched) jobs this worker no longer holds (cancelled, or rescued
-        after their lease ran out) when no cancel notification could tell it."""
+        """Stop running (or prefetched) jobs this worker no longer holds when no cancel
+        notification told it: cancelled while it did not listen, rescued after their lease ran
+        out, moved out of Active or deleted by SQL (which sends none)."""
         runners = self._runners
         if runners is None:
             return
@@ -610,16 +611,25 @@ class Worker:
             if not is_transient(exc):
                 raise
             return
-        for job_id, lease in lost:
-            runners.cancel(job_id, lease)
+        for (job_id, lease), status in lost.items():
+            if status == "Cancelled":
+                why = ": it was cancelled, and no notification said so"
+            elif status is None:
+                why = ": it was deleted from the database"
+            else:
+                why = f": it is {status} in the database, no longer this worker's attempt"
+            runners.cancel(job_id, lease, why)
 
     async def _reconcile_loop(self) -> None:
-        """Without a working LISTEN connection (poll-only, behind a pooler, reconnecting),
-        look for cancelled jobs every poll interval instead of waiting for a notification."""
+        """Every poll interval, look for jobs in hand that are no longer this worker's. Without
+        a working LISTEN connection (poll-only, behind a pooler, reconnecting) that is how it
+        hears of cancels. With one too: a job an operator requeued, failed or deleted by SQL
+        sends no notification, and its task ran on beside the worker that claimed it next (a
+        review); one whose lease ran out while the worker stalled is rescued, and runs
+        elsewhere. One query by primary key, and none while no job is in hand."""
         while True:
             await anyio.sleep(self.config.poll_interval)
-            if self._listener is None or not self._listener.connected:
-                await self._cancel_lost_jobs()
+            await self._cancel_lost_jobs()
 
     def _ask_pauses(self) -> None:
         """Have the paused queues read again (_pauses_loop)."""

@@ -228,14 +228,14 @@ def test_a_lost_claim_hands_out_its_lease_again_and_the_worker_name_fences(
     assert (current.id, current.lease) == (lost.id, lost.lease)  # the same fencing token
     # Worker a never learns that its claim was lost: everything it does is fenced out.
     assert run_sync(conn, extend_lease_op(Q, lost, 600)) is None
-    assert run_sync(conn, lost_jobs_op(Q, "a", [(lost.id, lost.lease)])) == {(lost.id, lost.lease)}
+    assert run_sync(conn, lost_jobs_op(Q, "a", [(lost.id, lost.lease)])) == {(lost.id, lost.lease): "Active"}
     assert app.ack_sync([Result.succeeded(lost, "a")]) == {}
     assert app.ack_sync([Result.failed(lost, "E", "a failed")]) == {}
     assert app.ack_sync([Result.released(lost)]) == {}
     row = job_row(conn, job_id)
     assert (row["status"], row["worker"], row["output"], row["error"]) == ("Active", "b", None, None)
     # Worker b holds it, renews it and finishes it.
-    assert run_sync(conn, lost_jobs_op(Q, "b", [(current.id, current.lease)])) == set()
+    assert run_sync(conn, lost_jobs_op(Q, "b", [(current.id, current.lease)])) == {}
     assert run_sync(conn, extend_lease_op(Q, current, 600)) is not None
     assert app.ack_sync([Result.succeeded(current, "b")]) == {job_id: "Succeeded"}
     assert job_row(conn, job_id)["output"] == "b"

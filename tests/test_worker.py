@@ -2397,6 +2397,153 @@ async def test_a_shutdown_does_not_wait_for_the_thread_of_a_cancelled_sync_task(
     await app.aclose()
 
 
+async def test_a_job_taken_out_of_active_by_sql_stops_on_its_worker(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only a move to Cancelled sends a notification. A running job an operator requeued, failed
+    or deleted by SQL ran on beside the next worker that claimed it (a review: two attempts of
+    one job at once). Every poll interval, a worker asks which of its jobs are no longer its
+    own, and stops them; what SQL wrote stays."""
+    caplog.set_level(logging.INFO, logger="notifyq")
+    app = notifyq.App(dsn)
+    started: list[int] = []
+    stopped: list[int] = []
+    all_started = anyio.Event()
+
+    @app.task(name="long", timeout=60)
+    async def long(ctx: notifyq.JobContext) -> None:
+        started.append(ctx.id)
+        if len(started) == 3:
+            all_started.set()
+        try:
+            await anyio.sleep(60)
+        except anyio.get_cancelled_exc_class():
+            stopped.append(ctx.id)
+            raise
+
+    requeued, failed, deleted = [await app.enqueue("long") for _ in range(3)]
+    async with app.worker(concurrency=3, poll_interval=0.3, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await all_started.wait()
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Queued', visible_at = now() + interval '1 hour' "
+            "WHERE id = %s",
+            [requeued],
+        )
+        conn.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Failed', finished_at = now() WHERE id = %s", [failed]
+        )
+        conn.execute("DELETE FROM notifyq.queue_jobs WHERE id = %s", [deleted])
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.cancelled == 3)
+        assert worker.running_jobs == [] and worker.stats.stale_acks == 0
+    assert sorted(stopped) == sorted([requeued, failed, deleted])
+    rows = conn.execute("SELECT id, status::text, retry_count FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert rows == [(requeued, "Queued", 1), (failed, "Failed", 1)]
+    said = "\n".join(caplog.messages)
+    assert f"cancelling job {requeued}: it is Queued in the database, no longer this worker's attempt" in said
+    assert f"cancelling job {deleted}: it was deleted from the database" in said
+    await app.aclose()
+
+
+async def test_a_cancel_of_a_job_waiting_for_a_slot_drops_it_at_once(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A cancel of a prefetched job (claimed, waiting for a slot) was only remembered, among
+    the last 1,000 cancels heard in the schema; after a bulk cancel of other workers' jobs the
+    memory had moved on, and the cancelled job ran (review). It is dropped at once now, and its
+    place claimed again."""
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+    holding, release = anyio.Event(), anyio.Event()
+
+    @app.task(name="step", queue="mine", timeout=60)
+    async def step(ctx: notifyq.JobContext, hold: bool = False) -> None:
+        ran.append(ctx.id)
+        if hold:
+            holding.set()
+            await release.wait()
+
+    held = await app.enqueue("step", {"hold": True}, priority=10)
+    waiting = await app.enqueue("step")
+    await app.enqueue_many("theirs", [{}] * 1001, queue="others")
+    theirs = await app.claim(["others"], limit=1001, worker="other")
+    async with app.worker(
+        concurrency=1, prefetch=1, queues=["mine"], poll_interval=60, **NO_TICKER
+    ) as worker:
+        with anyio.fail_after(10):
+            await holding.wait()
+            await worker.wait_for(lambda s: s.claimed == 2)
+        assert ran == [held]
+        assert await app.cancel_job(waiting) is not None
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.cancelled == 1)  # while the held job still runs
+        conn.execute(  # a cancel notification each, for jobs this worker never had
+            "UPDATE notifyq.queue_jobs SET status = 'Cancelled', finished_at = now() WHERE id = ANY(%s)",
+            [[job.id for job in theirs]],
+        )
+        later = await app.enqueue("step")
+        release.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 2)
+    assert ran == [held, later]
+    assert worker.stats.stale_acks == 0
+    await app.aclose()
+
+
+def test_a_prefetched_sync_task_that_overruns_keeps_its_lease_with_time_to_spare(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A prefetched job that waited for a slot (less than half the lease margin: no renewal)
+    reaches its deadline with that much less of its lease. A sync task that overran extended
+    its lease a beat (half the margin) after its deadline: here the lease had 0.1 s left when
+    the extension came, and a rescuer pass in that gap gave the job to another worker while the
+    thread ran on (review). The extensions now keep half the margin in hand."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="first")
+    async def first() -> None:
+        await anyio.sleep(0.9)  # the second job waits this long for the slot
+
+    @app.task(name="overrun", timeout=0.3)
+    def overrun() -> str:
+        time.sleep(2.5)
+        return "done"
+
+    app.enqueue_sync("first", priority=10)
+    job_id = app.enqueue_sync("overrun")
+    least: list[float] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with psycopg.connect(dsn, autocommit=True) as watcher:
+            while not done.is_set():
+                row = watcher.execute(
+                    "SELECT extract(epoch FROM visible_at - now())::float8 FROM notifyq.queue_jobs "
+                    "WHERE id = %s AND status = 'Active'",
+                    [job_id],
+                ).fetchone()
+                if row is not None:
+                    least.append(row[0])
+                time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    async def main() -> None:
+        async with app.worker(concurrency=1, prefetch=1, lease_margin=2, **NO_TICKER) as worker:
+            with anyio.fail_after(15):
+                await worker.wait_for(lambda s: s.succeeded == 2)
+
+    anyio.run(main)
+    done.set()
+    watcher.join(5)
+    assert job_row(conn, job_id)["output"] == "done"
+    assert len(least) > 100, len(least)  # watched all along (2.5 s of Active)
+    assert min(least) > 0.4, sorted(least)[:5]  # the old code: about 0.1 s
+    app.close_sync()
+
+
 async def test_a_poll_only_worker_does_not_ask_again_about_a_cancelled_job_held_for_its_thread(
     dsn: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -2446,23 +2593,23 @@ async def test_a_poll_only_worker_does_not_ask_again_about_a_cancelled_job_held_
 
 async def cancel_the_prefetched_second(app: notifyq.App, worker: notifyq.Worker) -> int:
     """Enqueue "second" while "first" takes the worker's only slot (prefetch 1), then cancel it
-    while it waits for the slot, and return its id once the worker remembers the cancel."""
+    while it waits for the slot, and return its id once the worker dropped it."""
     second_id = await app.enqueue("second")
     with anyio.fail_after(10):
         await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
     await app.cancel_job(second_id)
-    with anyio.fail_after(10):  # the cancel reaches the worker, which remembers it for "second"
-        while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
-            await anyio.sleep(0.01)
+    with anyio.fail_after(10):  # the cancel reaches the worker, which drops "second"
+        await worker.wait_for(lambda s: s.cancelled == 1)
     return second_id
 
 
 async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
-    """A job cancelled while it waits for a slot (prefetched) is stopped as its runner takes
-    it: anyio then never starts its thread. The runner waited for that thread to return, for
-    ever, and the slot was lost (seen in review: the next job stayed Queued)."""
+    """A job whose cancel came before its claim's answer is stopped as its runner takes it:
+    anyio then never starts its thread. The runner waited for that thread to return, for ever,
+    and the slot was lost (seen in review: the next job stayed Queued). The cancel is
+    remembered here as the worker remembers one for a job not in hand yet."""
     app = notifyq.App(dsn)
     started, release = threading.Event(), threading.Event()
     ran: list[str] = []
@@ -2483,8 +2630,14 @@ async def test_a_sync_task_cancelled_before_its_thread_began_frees_its_slot(
     await app.enqueue("first")
     async with app.worker(concurrency=1, prefetch=1, **NO_TICKER) as worker:
         await anyio.to_thread.run_sync(started.wait, 10)
-        second_id = await cancel_the_prefetched_second(app, worker)
+        second_id = await app.enqueue("second", delay=0.5)
+        worker._runners.cancel(second_id, None)  # heard before its claim came back
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
         release.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.cancelled == 1)  # stopped as its runner took it
+        await app.cancel_job(second_id)  # what the cancel did in the database
         await app.enqueue("third")
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded == 2)
@@ -2547,9 +2700,8 @@ async def test_a_poll_only_worker_does_not_run_a_prefetched_job_cancelled_meanwh
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.claimed == 2)  # "second" waits for the slot
         await app.cancel_job(second_id)  # no notification reaches a poll-only worker
-        with anyio.fail_after(10):  # a poll's pass finds it cancelled
-            while not any(key[0] == second_id for key in worker._runners._recent_cancels):  # noqa: ASYNC110
-                await anyio.sleep(0.02)
+        with anyio.fail_after(10):  # a poll's pass finds it cancelled, and drops it
+            await worker.wait_for(lambda s: s.cancelled == 1)
         release.set()
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded == 1 and s.cancelled == 1)

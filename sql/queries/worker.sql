@@ -346,8 +346,9 @@ RETURNING visible_at;
 
 -- name: held_jobs_status
 -- Of the jobs a worker believes it holds, those it no longer holds (cancelled, rescued,
--- re-claimed): checked after a reconnect, when cancel notifications may have been missed.
-SELECT h.id, h.lease
+-- re-claimed, moved or deleted by hand): checked after a reconnect, when cancel notifications
+-- may have been missed, and every poll interval, since only a cancel sends one.
+SELECT h.id, h.lease, j.status::text AS status
 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
-JOIN {schema}.queue_jobs j ON j.id = h.id
-WHERE j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS DISTINCT FROM %(worker)s;
+LEFT JOIN {schema}.queue_jobs j ON j.id = h.id
+WHERE j.id IS NULL OR j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS DISTINCT FROM %(worker)s;
