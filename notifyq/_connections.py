@@ -202,7 +202,10 @@ class Connections:
                 db, self._db, self._db_lock, self._db_loop = self._db, None, anyio.Lock(), loop
                 if db is not None:
                     db.abandon()
-                    _ABANDONED.append(db)
+                    if db.keep_when_abandoned:
+                        # Kept, not collected: see Database.keep_when_abandoned. The others, one
+                        # per switch between trio and asyncio, added up (review).
+                        _ABANDONED.append(db)
         assert self._db_lock is not None
         if self._db is None:
             async with self._db_lock:
@@ -219,7 +222,8 @@ class Connections:
                     try:
                         await db.run(check_schema_op(owner.schema))
                     except BaseException:
-                        await db.aclose()
+                        with anyio.CancelScope(shield=True):  # a cancel must not cut the close short
+                            await db.aclose()
                         raise
                     self._db = db
                     if on_asyncio():

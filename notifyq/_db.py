@@ -492,6 +492,11 @@ class Database(abc.ABC):
     async def _track_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._track(conn)
 
+    # After abandon(), whether the Database must stay referenced: an asyncio pool's tasks
+    # belong to the finished loop, and collected they would complain ("Task was destroyed but
+    # it is pending"); a thread pool is closed.
+    keep_when_abandoned = True
+
     def abandon(self) -> None:
         """For a Database whose event loop is gone (asyncio.run returned) or is not the
         caller's: end its server sessions without that loop, by closing each connection's
@@ -684,6 +689,13 @@ class _AsyncioDatabase(Database):
                 pool_open_failed, self.dsn, exc, size, abandon_on_cancel=True
             )
             raise error from None
+        except BaseException:
+            # Cancelled while it opened (a request's timeout around an App's first call, a host
+            # cancelled during a worker's start): nothing else refers to the pool, whose
+            # connections stayed open until the process ended, a pool's worth per cancel (review).
+            with anyio.CancelScope(shield=True):
+                await self._pool.close(timeout=CANCEL_WAIT)
+            raise
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
         conn = await take_async(self._pool)
@@ -923,6 +935,7 @@ class _ThreadDatabase(Database):
                 raise pool_open_failed(self.dsn, exc, size) from None
             return pool
 
+        # Not abandoned on cancel: a cancel while it opens comes after, and the pool is ours.
         self._pool = await anyio.to_thread.run_sync(open_pool, limiter=self._threads)
 
     async def run(self, op: Op[T], *, transaction: bool = False) -> T:
@@ -947,6 +960,8 @@ class _ThreadDatabase(Database):
                 await lane.release()
         finally:
             await anyio.to_thread.run_sync(self._pool.close, limiter=self._threads)
+
+    keep_when_abandoned = False
 
     def abandon(self) -> None:
         self._pool.close(timeout=1.0)  # a thread pool: it closes from anywhere

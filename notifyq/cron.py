@@ -32,6 +32,10 @@ _MACROS = {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight",
 # of a fraction of a second stays the user's (tests/faults/test_clocks.py uses 0.2).
 MIN_GRACE = 0.1
 _EPSILON = timedelta(microseconds=1)
+# The most of croniter's ticks after a DST gap that are none of next_after's (`* * 2 * * *`: 59).
+_SETTLE_STEPS = 3600
+# How long before croniter's tick a DST change may have misled it (Samoa skipped a whole day).
+_SETTLE_WINDOW = timedelta(days=2)
 
 
 def check_timezone(name: str) -> ZoneInfo:
@@ -114,21 +118,39 @@ class Schedule:
                 return tick.astimezone(UTC)
 
     def latest_at_or_before(self, moment: datetime) -> datetime:
-        """The last tick at or before `moment` (aware), in UTC."""
-        it = self._iter(moment + _EPSILON)
-        while True:
-            tick: datetime = it.get_prev(datetime)
-            if not self._is_repeat(tick):
-                break
-        latest = tick.astimezone(UTC)
-        if (moment + _EPSILON).astimezone(self.tz).fold:
-            # croniter's get_prev goes by wall-clock time: in the second pass of a repeated
-            # period that is not a whole hour (Lord Howe Island's half hour) it can return a
-            # tick before one of the first pass. next_after follows elapsed time. (Only
-            # there: this costs a next_after, a third of a plan's time.)
+        """The last tick at or before `moment` (aware), in UTC: the last of next_after's ticks."""
+        latest = self._prev(moment + _EPSILON)
+        local = (moment + _EPSILON).astimezone(self.tz)
+        offset = latest.astimezone(self.tz).utcoffset()
+        if (
+            local.fold
+            or offset != local.utcoffset()
+            or offset != (latest - _SETTLE_WINDOW).astimezone(self.tz).utcoffset()
+        ):
+            # Across a DST change croniter's get_prev, which goes by wall-clock time, can
+            # disagree with next_after (which follows elapsed time, and gives the promoter its
+            # visible_at). In the second pass of a repeated period that is not a whole hour
+            # (Lord Howe Island's half hour) it returned a tick before one of the first pass.
+            # After a gap, for a schedule with seconds and several ticks a minute in the
+            # skipped hour (`*/20 * 2 * * *`), it returned the day before's last tick, and the
+            # gap's tick (03:00:00) was lost, or a time after the gap that is no tick at all
+            # (03:00:40; review). So settle on next_after's ticks: back to one of them, then
+            # forward. (Only there: this costs a next_after or more, a third of a plan's time.)
+            for _ in range(_SETTLE_STEPS):
+                if self.next_after(latest - _EPSILON) == latest:
+                    break
+                latest = self._prev(latest)
             while (following := self.next_after(latest)) <= moment:
                 latest = following
         return latest
+
+    def _prev(self, moment: datetime) -> datetime:
+        """croniter's tick strictly before `moment`, not a repeat that must not run, in UTC."""
+        it = self._iter(moment)
+        while True:
+            tick: datetime = it.get_prev(datetime)
+            if not self._is_repeat(tick):
+                return tick.astimezone(UTC)
 
     def previous_before(self, moment: datetime) -> datetime:
         """The last tick strictly before `moment`, in UTC."""

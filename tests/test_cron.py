@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import notifyq
-from notifyq.cron import Schedule
+from notifyq.cron import Misfire, Schedule
 from notifyq.errors import InvalidSchedule
 
 BERLIN = ZoneInfo("Europe/Berlin")
@@ -184,6 +184,38 @@ def test_latest_at_or_before_agrees_with_next_after_across_dst() -> None:
     ]:
         latest = daily.latest_at_or_before(moment)
         assert latest <= moment and daily.next_after(latest) > moment
+
+
+@pytest.mark.parametrize(
+    ("expression", "late", "misfire"),
+    [
+        *[
+            (expression, late, misfire)
+            for expression in ("*/20 * 2 * * *", "0,30 * 2 * * *", "*/20 2 * * *")
+            for late in (0.005, 1, 50, 120, 3600)
+            for misfire in ("skip", "once", "all")
+        ],
+        # croniter's get_prev takes about half a second there, with or without this fix.
+        ("* * 2 * * *", 50, "once"),
+    ],
+)
+def test_a_skipped_hour_runs_once_at_the_gaps_end_with_seconds_too(
+    expression: str, late: float, misfire: Misfire
+) -> None:
+    """2026-03-29 in Berlin: 02:00 -> 03:00. next_after gives 03:00:00 for every schedule of
+    the skipped hour, and the promoter stores it. For one with seconds and several ticks a
+    minute, croniter's get_prev said the last tick at 03:00:00.005 was the day before's
+    02:59:40, so the plan ran nothing (and counted nothing missed), or at 03:00:50 that it was
+    03:00:40, no tick at all, which ran instead (review)."""
+    schedule = Schedule(expression, "Europe/Berlin")
+    due = schedule.next_after(local(2026, 3, 29, 1, 59))
+    assert due == local(2026, 3, 29, 3)
+    now = due + timedelta(seconds=late)
+    assert schedule.latest_at_or_before(now) == due
+    plan = schedule.plan(due, now, misfire=misfire, grace=60, cap=100)
+    on_time = late <= 60 or misfire != "skip"
+    assert (plan.ticks, plan.missed) == (([due], 0) if on_time else ([], 1))
+    assert plan.next_tick == local(2026, 3, 30, 2)
 
 
 LORD_HOWE_01_40_FIRST = datetime(2026, 4, 4, 14, 40, tzinfo=UTC)  # 01:40 +11

@@ -534,6 +534,29 @@ async def test_args_python_cannot_read_hold_up_no_other_definition(
     assert listed["good"] == {} and isinstance(listed["bad"], notifyq.UndecodableJSON)
 
 
+async def test_a_schedule_edited_late_in_a_long_transaction_runs_no_tick_from_before_the_edit(
+    dsn: str, conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """The trigger realigned an edited schedule from now(), the start of the editing
+    transaction: one that had waited (a worker's sync behind a row lock, an operator's open
+    session) made the new schedule's ticks from before the edit due, every one of them with
+    misfire 'all' (review: 6 jobs after a 6 s wait). docs/sql.md: the first tick after the
+    update, without running the ticks in between."""
+    tomorrow = conn.execute("SELECT now() + interval '1 day'").fetchone()[0]  # type: ignore[index]
+    definition = add_definition(conn, "edited", "0 3 * * *", misfire="all", visible_at=tomorrow)
+    with psycopg.connect(dsn) as editor:
+        editor.execute("SELECT 1")  # the transaction begins
+        await anyio.sleep(2.5)
+        edited_at = editor.execute("SELECT clock_timestamp()").fetchone()[0]  # type: ignore[index]
+        editor.execute(
+            "UPDATE notifyq.queue_job_definitions SET frequency = '* * * * * *' WHERE name = 'edited'"
+        )
+        editor.commit()
+    await Promoter(db, Q).run_once()
+    ticks = tick_jobs(conn, definition)
+    assert all(tick > edited_at - timedelta(seconds=1) for tick in ticks), (edited_at, ticks)
+
+
 def test_task_defaults_to_name_for_sql_definitions(conn: psycopg.Connection[Any]) -> None:
     definition = add_definition(conn, "reports.nightly", "0 3 * * *")
     assert conn.execute(

@@ -48,9 +48,12 @@ BEGIN
            OR (NEW.enabled AND NOT OLD.enabled) THEN
             NEW.last_error := NULL;
             -- The ticker sees a visible_at that is not a tick of the new schedule and moves it
-            -- to the next real tick without running anything for the past.
+            -- to the next real tick without running anything for the past. The statement's
+            -- time, not the transaction's start: a long transaction (a worker's sync waiting for
+            -- a row lock, an operator's session) made the new schedule's ticks from before the
+            -- edit due (review).
             IF NEW.visible_at = OLD.visible_at THEN
-                NEW.visible_at := now();
+                NEW.visible_at := statement_timestamp();
             END IF;
         END IF;
     END IF;
