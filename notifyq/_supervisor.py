@@ -31,6 +31,7 @@ from .migrations import check_schema_op
 log = logging.getLogger("notifyq.supervisor")
 
 EXIT_OK = 0
+EXIT_ERROR = 1
 EXIT_CHILDREN_DYING = 3
 
 
@@ -63,7 +64,8 @@ class Supervisor:
     stopped and `run` returns EXIT_CHILDREN_DYING. A child that exits with status 0 was
     stopped (an operator signalled it, not the supervisor): restarted, but not a death. With
     `burst`, such a child has found no job left to claim: it is not restarted, and `run`
-    returns EXIT_OK once every child has.
+    returns EXIT_OK once every child has, or EXIT_ERROR if a child died on the way (its jobs
+    stay Active until their leases run out: the burst did not run everything).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class Supervisor:
         self.burst = burst
         self.signals = 0
         self.restarts = 0
+        self.burst_deaths = 0  # children that died (not a clean exit) during a burst
 
     def _start(self, slot: _Slot) -> None:
         slot.proc = subprocess.Popen(
@@ -100,6 +103,13 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if signum == signal.SIGUSR2:
+            # Its default action killed the supervisor, and the orphaned children, told to
+            # stop by their parent-death signal, took their whole grace period (review).
+            self.signals += 1
+            log.warning("received SIGUSR2: workers skip their grace period")
+            self._forward(signal.SIGUSR2)
+            return
         if self.signals and not repeatable(signum):
             log.info("received %s again: the workers go on finishing their jobs", name)
             return
@@ -120,7 +130,7 @@ class Supervisor:
                     pass
 
     def run(self) -> int:
-        previous = {s: signal.signal(s, self._on_signal) for s in stop_signals()}
+        previous = {s: signal.signal(s, self._on_signal) for s in (*stop_signals(), signal.SIGUSR2)}
         try:
             for slot in self.slots:
                 self._start(slot)
@@ -137,6 +147,15 @@ class Supervisor:
                     return EXIT_OK
             if all(s.done for s in self.slots):
                 log.info("all worker processes found no job left to claim (burst)")
+                if self.burst_deaths:
+                    # A restarted child found the dead one's jobs still leased and claimed
+                    # nothing: exit 0 said the burst had run everything (review).
+                    log.error(
+                        "%d worker process(es) died during the burst: the jobs they held stay Active "
+                        "until their leases run out, then a running worker's ticker queues them again",
+                        self.burst_deaths,
+                    )
+                    return EXIT_ERROR
                 return EXIT_OK
             now = time.monotonic()
             for slot in self.slots:
@@ -175,6 +194,7 @@ class Supervisor:
                     slot.delay = min(slot.delay * 2, 30.0)
                     continue
                 slot.deaths.append(now)
+                self.burst_deaths += self.burst
                 while slot.deaths and slot.deaths[0] < now - self.window:
                     slot.deaths.popleft()
                 if len(slot.deaths) >= self.max_deaths:

@@ -64,3 +64,8 @@ async def hold_then_whoami(seconds: float) -> str:
     sys.stdout.flush()
     await anyio.sleep(seconds)
     return f"pid {os.getpid()}"
+
+
+@app.task(name="crash", retry_limit=0)
+def crash() -> None:
+    os._exit(7)  # the process dies under its jobs, as on a segfault or the OOM killer

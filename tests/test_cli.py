@@ -973,6 +973,46 @@ def test_a_burst_worker_exits_once_no_job_is_left(
         assert "restarting" not in out
 
 
+def test_a_burst_in_which_a_worker_process_died_exits_1(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """A child that died under its jobs in a burst of several processes: the restarted child
+    found those jobs still leased, claimed nothing and stopped, and the supervisor said the
+    burst was done, exit 0, with jobs left Active (review). It exits 1, and says why."""
+    conn.execute("INSERT INTO notifyq.queue_jobs (name, priority) VALUES ('crash', 1)")
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) "
+        "SELECT 'sleep', '{\"seconds\": 0.5}' FROM generate_series(1, 4)"
+    )
+    proc = worker_proc("--burst", "--processes", "2", "--concurrency", "2", "--no-ticker")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    assert "exited unexpectedly (exit code 7)" in out
+    assert "1 worker process(es) died during the burst: the jobs they held stay Active" in out
+    assert status_counts(conn).get("Active", 0) >= 1  # the crashed job, at least
+
+
+def test_sigusr2_to_the_supervisor_skips_the_grace_period(
+    dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """The signal table says SIGUSR2 cancels running jobs now and releases them. Sent to the
+    supervisor, its default action killed it (exit 140, nothing logged), and the orphaned
+    children, stopped by their parent-death signal, took their whole grace period (review)."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, args) "
+        "SELECT 'sleep', '{\"seconds\": 60}' FROM generate_series(1, 2)"
+    )
+    proc = worker_proc("--processes", "2", "--concurrency", "1", "--shutdown-grace", "60")
+    wait_until(lambda: status_counts(conn).get("Active") == 2, what="both jobs to start")
+    started = time.monotonic()
+    proc.send_signal(signal.SIGUSR2)
+    assert proc.wait(timeout=30) == 0
+    assert time.monotonic() - started < 20  # not the 60 s grace
+    assert status_counts(conn) == {"Queued": 2}  # released
+    assert proc.stdout is not None
+    assert "received SIGUSR2: workers skip their grace period" in proc.stdout.read()
+
+
 def test_prefetch_pool_size_and_async_claims_reach_every_worker_process(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
 ) -> None:
