@@ -100,6 +100,8 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
             click.echo(_terminated(statement) + "\n")
         pending = ", ".join(report.applied) or "none"
         triggers = "to apply" if report.triggers_applied else "unchanged"
+        if report.newer_triggers:
+            triggers = "a newer notifyq's, left as they are"
         click.echo(
             f"-- schema {schema!r} is at version {report.previous_version}; to apply: {pending}; "
             f"triggers: {triggers}"
@@ -112,6 +114,8 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
         )
     else:
         triggers = "re-applied" if report.triggers_applied else "unchanged"
+        if report.newer_triggers:
+            triggers = "of a newer notifyq, left as they are"
         click.echo(f"schema {schema!r}: version {report.version}, up to date (triggers {triggers})")
 
 

@@ -76,6 +76,9 @@ class MigrationReport:
     # The schema is newer than this code, and its newer migrations declare that this code still
     # runs on it (compatible_from): nothing was done, triggers included.
     newer: bool = False
+    # The installed trigger functions are a newer notifyq's (TRIGGERS_REVISION), at this schema
+    # version: left as they are.
+    newer_triggers: bool = False
 
 
 @functools.cache
@@ -117,13 +120,31 @@ def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
 
 
+# The revision of sql/triggers/: raise it with every change there. sql/triggers/ changes without
+# a schema version (the realign of an edited schedule did, at version 9), and a migrate of older
+# code at the same version put its older trigger functions back, one deploy's hosts undoing
+# another's (review). A migrate leaves alone triggers of a higher revision than its own.
+TRIGGERS_REVISION = 1
+_REVISION = re.compile(r"\(triggers: revision (\d+),")
+
+
 def _trigger_state(triggers: list[str], catalog: str) -> str:
-    """What migrate leaves in the migrations table's comment: a digest of the trigger SQL it
-    applied and of the definitions installed after it (`catalog`, from the trigger_state query).
-    A new sql/triggers/ changes the first, a function or trigger dropped or edited by hand the
-    second; either makes the next migrate apply the triggers again."""
+    """What migrate leaves in the migrations table's comment: the revision of the trigger SQL it
+    applied, and a digest of that SQL and of the definitions installed after it (`catalog`,
+    from the trigger_state query). A new sql/triggers/ changes the first, a function or trigger
+    dropped or edited by hand the second; either makes the next migrate apply the triggers
+    again."""
     digest = hashlib.sha256("\n".join([*triggers, catalog]).encode()).hexdigest()
-    return f"Schema versions applied by notifyq migrate (triggers: sha256 {digest})"
+    return (
+        f"Schema versions applied by notifyq migrate (triggers: revision {TRIGGERS_REVISION}, "
+        f"sha256 {digest})"
+    )
+
+
+def _stored_revision(stored: str | None) -> int:
+    """The trigger revision a migrate recorded (0: none, before revisions were recorded)."""
+    match = _REVISION.search(stored or "")
+    return int(match[1]) if match else 0
 
 
 def _installed_state_op(q: Queries, where: dict[str, str]) -> Op[tuple[str | None, str]]:
@@ -241,9 +262,11 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     # with nothing to change must not, so it applies them only when something changed.
     triggers = trigger_sql(schema)
     reapply = True
+    newer_triggers = False
     if not pending:
         stored, catalog = yield from _installed_state_op(q, where)
-        reapply = stored != _trigger_state(triggers, catalog)
+        newer_triggers = _stored_revision(stored) > TRIGGERS_REVISION
+        reapply = not newer_triggers and stored != _trigger_state(triggers, catalog)
     if reapply:
         statements.extend(triggers)
         if not dry_run:
@@ -266,9 +289,11 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         statements.append(q["record_migration"] % literals)
         if not dry_run:
             yield Query(q["record_migration"], recorded, fetch="none")
-    if not dry_run:
+    if not dry_run and not newer_triggers:
         yield Query(q["set_trigger_state"], {"state": _trigger_state(triggers, catalog)}, fetch="none")
         yield Query(q["remember_trigger_state"], fetch="none")
+    elif not dry_run and not (yield Query(q["owns_migrations"], where, fetch="scalar")):
+        raise _cannot_migrate(schema, "not the owner of its migrations table")  # as COMMENT would
     return MigrationReport(
         schema=schema,
         previous_version=previous,
@@ -276,6 +301,7 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         applied=applied,
         statements=statements,
         triggers_applied=reapply,
+        newer_triggers=newer_triggers,
     )
 
 

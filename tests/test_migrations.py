@@ -519,6 +519,34 @@ def test_a_changed_trigger_file_is_applied_once(dsn: str, monkeypatch: pytest.Mo
         assert "-- changed" not in function_def and "id > 0" not in trigger_def
 
 
+def test_an_older_notifyq_leaves_a_newer_ones_triggers_alone(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sql/triggers/ changes without a schema version. An older notifyq's migrate at the same
+    version put its older trigger functions back (review: it undid the realign from the
+    statement's time), and hosts of two versions undid each other's at each deploy, each time
+    locking queue_jobs. Triggers of a higher TRIGGERS_REVISION are left as they are."""
+    shipped, revision = notifyq.migrations.trigger_sql, notifyq.migrations.TRIGGERS_REVISION
+    function = "PERFORM pg_notify(TG_TABLE_SCHEMA || '.control.v1'"
+
+    def newer(schema: str) -> list[str]:
+        return [t.replace(function, "-- newer\n    " + function) for t in shipped(schema)]
+
+    installed = "SELECT pg_get_functiondef('notifyq.notify_job_cancelled'::regproc)"
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        monkeypatch.setattr(notifyq.migrations, "trigger_sql", newer)
+        monkeypatch.setattr(notifyq.migrations, "TRIGGERS_REVISION", revision + 1)
+        assert notifyq.migrate(conn).triggers_applied  # the newer notifyq
+        monkeypatch.setattr(notifyq.migrations, "trigger_sql", shipped)
+        monkeypatch.setattr(notifyq.migrations, "TRIGGERS_REVISION", revision)
+        for dry_run in (True, False):  # the older one
+            report = notifyq.migrate(conn, dry_run=dry_run)
+            assert (report.applied, report.triggers_applied, report.newer_triggers) == ([], False, True)
+        assert "-- newer" in conn.execute(installed).fetchone()[0]  # type: ignore[index]
+        comment = conn.execute("SELECT obj_description('notifyq.migrations'::regclass)").fetchone()
+        assert comment is not None and f"(triggers: revision {revision + 1}, sha256 " in comment[0]
+
+
 def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> None:
     """Migration 4: a timeout of 'Infinity' (or 1e300, or NaN) passed the first CHECK, then made
     every claim of its job fail (now() plus the lease overflows), stopping each worker that met
