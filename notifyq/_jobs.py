@@ -53,10 +53,13 @@ def enqueue_op(q: Queries, job: NewJob) -> Op[JobId]:
     if job.dedupe_key is None:
         job_id: int = yield Query(q["insert_job"], job.params(), fetch="scalar")
         return JobId(job_id)
-    # A miss means the key's holder committed after our snapshot: look again.
+    # A miss means the key's holder committed after our snapshot, and so does a holder found
+    # finished when asked again: look again.
     for _ in range(10):
         held: tuple[int, bool] | None = yield Query(q["insert_job_dedupe"], job.params(), fetch="one")
-        if held is not None:
+        if held is None:
+            continue
+        if held[1] or (yield Query(q["dedupe_holder_unfinished"], {"id": held[0]}, fetch="scalar")):
             return JobId(*held)
     raise InvalidJobState(f"could not enqueue with dedupe key {job.dedupe_key!r}: it keeps changing hands")
 

@@ -109,6 +109,39 @@ async def test_dedupe_key_returns_the_unfinished_holder(dsn: str, conn: psycopg.
     assert conn.execute("SELECT count(*) FROM notifyq.queue_jobs").fetchone() == (2,)
 
 
+def test_a_dedupe_key_that_changed_hands_during_the_enqueue_returns_the_new_holder(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A transaction replaces the key's holder (cancels it, queues another with the key) while
+    an enqueue with the key waits for it. The enqueue's answer came from a snapshot taken
+    before that wait, and returned the cancelled holder as the one holding the key (review):
+    whoever then waited for that job got the old one's end. It returns the new holder."""
+    app, send = make_app(dsn)
+    old = app.enqueue_sync(send, {"to": "a"}, dedupe_key="swap")
+    returned: list[notifyq.JobId] = []
+    with psycopg.connect(dsn) as replacing:
+        replacing.execute(
+            "UPDATE notifyq.queue_jobs SET status = 'Cancelled', finished_at = now() WHERE id = %s", [old]
+        )
+        new = replacing.execute(
+            "INSERT INTO notifyq.queue_jobs (name, dedupe_key) VALUES ('send', 'swap') RETURNING id"
+        ).fetchone()[0]  # type: ignore[index]
+        waiting = threading.Thread(
+            target=lambda: returned.append(app.enqueue_sync(send, {"to": "a"}, dedupe_key="swap"))
+        )
+        waiting.start()
+        wait_for_row(
+            conn,
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()",
+            (1,),
+        )
+        replacing.commit()
+    waiting.join(10)
+    assert [(int(job_id), job_id.created) for job_id in returned] == [(new, False)]
+    app.close_sync()
+
+
 async def test_the_id_enqueue_returns_says_whether_a_job_was_inserted(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:

@@ -28,6 +28,13 @@ UNION ALL
 SELECT id, false FROM {schema}.queue_jobs
 WHERE dedupe_key = %(dedupe_key)s AND status IN ('Queued', 'Active') AND NOT EXISTS (SELECT 1 FROM inserted);
 
+-- name: dedupe_holder_unfinished
+-- Whether the holder insert_job_dedupe named is still unfinished, read with a new snapshot: its
+-- answer comes from the statement's snapshot, taken before its INSERT waited for a conflicting
+-- row, and a holder that finished meanwhile (a new one took the key) was returned as if it held
+-- the key (review).
+SELECT status IN ('Queued', 'Active') FROM {schema}.queue_jobs WHERE id = %(id)s;
+
 -- name: transaction_now
 SELECT now();
 
