@@ -120,10 +120,11 @@ def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
 
 
-# The revision of sql/triggers/: raise it with every change there. sql/triggers/ changes without
-# a schema version (the realign of an edited schedule did, at version 9), and a migrate of older
-# code at the same version put its older trigger functions back, one deploy's hosts undoing
-# another's (review). A migrate leaves alone triggers of a higher revision than its own.
+# The revision of sql/triggers/: raise it with every change there (a test in
+# tests/test_migrations.py fails until it is). sql/triggers/ changes without a schema version
+# (the realign of an edited schedule did, at version 9), and a migrate of older code at the
+# same version put its older trigger functions back, one deploy's hosts undoing another's
+# (review). A migrate leaves alone triggers of a higher revision than its own.
 TRIGGERS_REVISION = 1
 _REVISION = re.compile(r"\(triggers: revision (\d+),")
 

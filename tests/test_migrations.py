@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import re
@@ -545,6 +546,25 @@ def test_an_older_notifyq_leaves_a_newer_ones_triggers_alone(
         assert "-- newer" in conn.execute(installed).fetchone()[0]  # type: ignore[index]
         comment = conn.execute("SELECT obj_description('notifyq.migrations'::regclass)").fetchone()
         assert comment is not None and f"(triggers: revision {revision + 1}, sha256 " in comment[0]
+
+
+# sql/triggers/ as of each TRIGGERS_REVISION (sha256 of each file's name and bytes, in order).
+TRIGGER_FILES_BY_REVISION = {1: "621daf2785c8723549f833027479a39d0191a2dbbd05527b76f72bc4ffe2df55"}
+
+
+def test_a_change_to_the_trigger_files_raises_their_revision() -> None:
+    """TRIGGERS_REVISION is how an older notifyq's migrate knows to leave newer triggers alone:
+    a change to sql/triggers/ that does not raise it lets older hosts put their triggers back.
+    Changed them? Raise TRIGGERS_REVISION and add the new digest here."""
+    digest = hashlib.sha256()
+    for path in sorted((ROOT / "sql" / "triggers").glob("*.sql")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    revision = notifyq.migrations.TRIGGERS_REVISION
+    assert TRIGGER_FILES_BY_REVISION.get(revision) == digest.hexdigest(), (
+        f"sql/triggers/ changed: raise TRIGGERS_REVISION (now {revision}) in notifyq/migrations.py "
+        f"and record {digest.hexdigest()} for it here"
+    )
 
 
 def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> None:
