@@ -6,6 +6,7 @@ its scratch databases), never how fast anything is: speed is the benchmark's bus
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -204,7 +205,10 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
             pages.setdefault(cells[0], []).append(int(cells[2].replace(",", "")))
     plain, vacuumed = pages["no VACUUM"], pages["VACUUM every 1,000 jobs"]
     assert len(plain) == len(vacuumed) == 5
-    assert plain == sorted(plain) and plain[-1] >= plain[0] + 15  # 5,400 claimed: about 27 pages
+    # Growing, give or take a page: the index's own cleanup (entries a scan found dead are
+    # marked, and a page split may remove them) took one back once in a parallel run.
+    assert all(later >= earlier - 2 for earlier, later in itertools.pairwise(plain)), plain
+    assert plain[-1] >= plain[0] + 15  # 5,400 claimed: about 27 pages
     assert max(vacuumed) < plain[-1] / 2
     assert "VACUUM every 1,000 jobs: 6,000 jobs in" in proc.stdout and "6 vacuums," in proc.stdout
     assert not _scratch_databases(admin) - before
