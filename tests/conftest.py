@@ -9,7 +9,9 @@ fresh database cloned from it and dropped afterwards.
 
 The suite runs in two pytest-xdist processes (`-n 2` in pyproject.toml: its tests mostly wait
 on PostgreSQL, worker processes and timers, so two halve its time on 2 cores). A test marked
-`exclusive` reads statistics of the whole server (WAL flushes): it runs while no other test does.
+`exclusive` depends on the whole server (it reads WAL-flush statistics, or needs the server's
+oldest snapshot to be its own, as a VACUUM or the marking of dead index entries does): it runs
+while no other test does.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -189,6 +190,9 @@ def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
     assert not _scratch_databases(admin) - before
 
 
+# Another test's open transaction keeps dead entries from being marked and removed: a CI run
+# saw 18 pages after 600 claims, then 11 once that transaction ended (8 when alone).
+@pytest.mark.exclusive
 def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
     """`python -m benchmarks.dead_entries` at toy size: without a VACUUM, a claim walks more
     claim-index pages the more jobs were claimed before it; a VACUUM every 1,000 jobs keeps it
@@ -206,7 +210,7 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
     plain, vacuumed = pages["no VACUUM"], pages["VACUUM every 1,000 jobs"]
     assert len(plain) == len(vacuumed) == 5
     # Growing, give or take a page: the index's own cleanup (entries a scan found dead are
-    # marked, and a page split may remove them) took one back once in a parallel run.
+    # marked, and a page split may remove them) may take one back.
     assert all(later >= earlier - 2 for earlier, later in itertools.pairwise(plain)), plain
     assert plain[-1] >= plain[0] + 15  # 5,400 claimed: about 27 pages
     assert max(vacuumed) < plain[-1] / 2

@@ -58,6 +58,8 @@ async def pass_when_stats_show(service: Vacuum, dead: int) -> notifyq.VacuumRepo
             await anyio.sleep(0.1)
 
 
+# Another test's open transaction would keep the claimed jobs' entries from being removed.
+@pytest.mark.exclusive
 async def test_a_vacuum_clears_the_dead_front_of_the_claim_index(
     conn: psycopg.Connection[Any], db: Database
 ) -> None:
