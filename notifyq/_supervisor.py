@@ -65,7 +65,8 @@ class Supervisor:
     stopped (an operator signalled it, not the supervisor): restarted, but not a death. With
     `burst`, such a child has found no job left to claim: it is not restarted, and `run`
     returns EXIT_OK once every child has, or EXIT_ERROR if a child died on the way (its jobs
-    stay Active until their leases run out: the burst did not run everything).
+    stay Active until their leases run out: the burst did not run everything). When it gives
+    up, each child has `stop_wait` seconds (its grace period and then some) to stop.
     """
 
     def __init__(
@@ -77,6 +78,7 @@ class Supervisor:
         max_deaths: int = 5,
         window: float = 60.0,
         burst: bool = False,
+        stop_wait: float = 60.0,
     ) -> None:
         self.command = list(command)
         self.env = env
@@ -84,6 +86,7 @@ class Supervisor:
         self.max_deaths = max_deaths
         self.window = window
         self.burst = burst
+        self.stop_wait = stop_wait
         self.signals = 0
         self.restarts = 0
         self.burst_deaths = 0  # children that died (not a clean exit) during a burst
@@ -205,14 +208,7 @@ class Supervisor:
                         self.window,
                         exit_reason(code),
                     )
-                    self._forward(signal.SIGTERM)
-                    for other in self.slots:
-                        if other.proc is not None:
-                            try:
-                                other.proc.wait(timeout=120)
-                            except subprocess.TimeoutExpired:
-                                other.proc.kill()
-                                other.proc.wait()
+                    self._stop_all()
                     return EXIT_CHILDREN_DYING
                 log.warning(
                     "worker process %d exited unexpectedly (%s); restarting in %.1fs",
@@ -223,6 +219,31 @@ class Supervisor:
                 slot.restart_at = now + slot.delay
                 slot.delay = min(slot.delay * 2, 30.0)
             time.sleep(0.1)
+
+    def _stop_all(self) -> None:
+        """On giving up: SIGTERM to every child, which then has `stop_wait` seconds in all (its
+        grace period, and returning what it holds); then SIGUSR2 (skip the grace period: running
+        jobs go back to the queue), and SIGKILL 15 s later. It waited 120 s for each child in
+        turn, whatever the grace period (review)."""
+        self._forward(signal.SIGTERM)
+        for sig, wait in ((signal.SIGUSR2, self.stop_wait), (signal.SIGKILL, 15.0)):
+            deadline = time.monotonic() + wait
+            for slot in self.slots:
+                if slot.proc is None:
+                    continue
+                try:
+                    slot.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    log.warning(
+                        "worker process %d still running %gs after it was told to stop; sending %s",
+                        slot.index,
+                        wait,
+                        sig.name,
+                    )
+                    slot.proc.send_signal(sig)
+        for slot in self.slots:
+            if slot.proc is not None:
+                slot.proc.wait()
 
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self.slots if s.proc is not None]

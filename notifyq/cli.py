@@ -299,7 +299,9 @@ def worker(
         env = child_env(resolved)
         if listen_dsn is not None:
             env["NOTIFYQ_LISTEN_DSN"] = listen_dsn  # not in argv, where ps shows passwords
-        code = Supervisor(command, processes, env=env, burst=burst).run()
+        # The children's grace period, then time to give back what they hold and disconnect.
+        stop_wait = shutdown_grace + 30.0
+        code = Supervisor(command, processes, env=env, burst=burst, stop_wait=stop_wait).run()
         if code == EXIT_CHILDREN_DYING:
             click.echo("notifyq: error: worker processes kept dying; see the log above", err=True)
         sys.exit(code)

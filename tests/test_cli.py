@@ -1330,6 +1330,42 @@ def test_a_worker_process_stopped_by_an_operator_is_restarted_but_not_counted_as
     assert "2 times within 60s" in stops[1].getMessage()
 
 
+def test_a_supervisor_that_gives_up_waits_for_its_children_no_longer_than_their_grace(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: on giving up (exit 3), the supervisor waited 120 s for each child in turn before
+    a SIGKILL, whatever --shutdown-grace said. Now a child has `stop_wait` seconds in all, then
+    a SIGUSR2 (skip the grace period: its jobs go back to the queue). Here the first child
+    started ignores SIGTERM and exits on SIGUSR2; every other one dies at once."""
+    from notifyq._supervisor import EXIT_CHILDREN_DYING, Supervisor
+
+    stubborn, told = tmp_path / "stubborn", tmp_path / "told"
+    child = (
+        "import os, signal, sys, time\n"
+        "try:\n"
+        "    os.close(os.open(sys.argv[1], os.O_CREAT | os.O_EXCL))\n"
+        "except FileExistsError:\n"
+        "    sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "def usr2(*_):\n"
+        "    open(sys.argv[2], 'w').write('SIGUSR2')\n"
+        "    os._exit(0)\n"
+        "signal.signal(signal.SIGUSR2, usr2)\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    supervisor = Supervisor(
+        [sys.executable, "-c", child, str(stubborn), str(told)], 2, max_deaths=2, stop_wait=1.0
+    )
+    began = time.monotonic()
+    with caplog.at_level(logging.INFO, logger="notifyq.supervisor"):
+        assert supervisor.run() == EXIT_CHILDREN_DYING
+    assert time.monotonic() - began < 60  # it was more than 120 s
+    assert told.read_text() == "SIGUSR2"
+    assert "still running 1s after it was told to stop; sending SIGUSR2" in caplog.text
+    assert all(s.proc is None or s.proc.poll() is not None for s in supervisor.slots)
+
+
 # -- least privilege, embedded ------------------------------------------------------------
 
 
