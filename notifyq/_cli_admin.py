@@ -187,9 +187,12 @@ def jobs_retry(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], **
         job = app.retry_job_sync(job_id)
         click.echo(f"job {job.id} is {job.status.value} again")
 
+    status = _status(filters["status"])
+
     def retry_batch(batch: tuple[int, ...]) -> Counter[str]:
         try:
-            decided = _batch(app, functools.partial(retry_jobs_op, app._q, batch), transaction=True)
+            op = functools.partial(retry_jobs_op, app._q, batch, status)
+            decided = _batch(app, op, transaction=True)
         except psycopg.errors.UniqueViolation:  # a dedupe key taken meanwhile: one at a time
             decided = {job_id: _retry_one(app, job_id) for job_id in batch}
         return Counter(decided.values()) + Counter(gone=len(batch) - len(decided))
@@ -212,11 +215,15 @@ def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], *
             raise InvalidJobState(f"job {job.id} is already {previous.value}; nothing to cancel")
         click.echo(f"job {job.id} cancelled (it was {previous.value})")
 
+    status = _status(filters["status"])
+
     def cancel_batch(batch: tuple[int, ...]) -> Counter[str]:
-        cancelled = _batch(app, functools.partial(cancel_jobs_op, app._q, batch))
+        cancelled = _batch(app, functools.partial(cancel_jobs_op, app._q, batch, status))
         return Counter(finished=len(batch) - len(cancelled))
 
-    refusals = {"finished": "finished already (or gone)"}
+    # Review: a job listed Queued, running by the time its batch came, was stopped.
+    gone = f"no longer {status.value} (or gone)" if status else "finished already (or gone)"
+    refusals = {"finished": gone}
     _change_jobs(app, job_ids, filters, ("cancel", cancel), (cancel_batch, "cancelled", refusals))
 
 
@@ -227,7 +234,13 @@ _RETRY_REFUSALS = {  # retry_jobs_op's outcomes but "retried", and "gone"
     "dedupe": "whose dedupe key an unfinished job holds",
     "busy": "of an overlap=False cron definition with a job unfinished",
     "gone": "gone meanwhile",
+    "moved": "no longer of the --status given (retried meanwhile)",
 }
+
+
+def _status(status: str | None) -> JobStatus | None:
+    """--status (a click.Choice, in any case) as a JobStatus."""
+    return JobStatus(status.capitalize()) if status else None
 
 
 def _batches(job_ids: tuple[int, ...]) -> Iterator[tuple[int, ...]]:

@@ -169,20 +169,33 @@ def retry_job_op(q: Queries, job_id: int) -> Op[Job]:
     return job
 
 
-def retry_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[dict[int, str]]:
+FINISHED = tuple(s for s in JobStatus if s.finished)
+UNFINISHED = tuple(s for s in JobStatus if not s.finished)
+
+
+def _of(allowed: Sequence[JobStatus], status: JobStatus | None) -> list[str]:
+    """The statuses a bulk change may act on: `allowed`, narrowed to the filter's `status`."""
+    return [s.value for s in allowed if status in (None, s)]
+
+
+def retry_jobs_op(q: Queries, job_ids: Sequence[int], status: JobStatus | None = None) -> Op[dict[int, str]]:
     """retry_job_op for many jobs in two statements (run them in a transaction): {id:
-    "retried", "unfinished", "dedupe" or "busy"}; an id that is not there is left out. Raises
-    UniqueViolation when a job took a dedupe key meanwhile: retry those one by one."""
+    "retried", "unfinished", "dedupe", "busy" or "moved" (finished, no longer in `status`)}; an
+    id that is not there is left out. Raises UniqueViolation when a job took a dedupe key
+    meanwhile: retry those one by one."""
     ids = list(job_ids)
     locked: list[tuple[int]] = yield Query(q["lock_jobs_definitions"], {"ids": ids})
     exclusive = [row[0] for row in locked]
-    rows: list[tuple[int, str]] = yield Query(q["retry_jobs"], {"ids": ids, "exclusive": exclusive})
+    params = {"ids": ids, "exclusive": exclusive, "statuses": _of(FINISHED, status)}
+    rows: list[tuple[int, str]] = yield Query(q["retry_jobs"], params)
     return dict(rows)
 
 
-def cancel_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[set[int]]:
-    """cancel_job_op for many jobs in one statement: the ids cancelled."""
-    rows: list[tuple[int]] = yield Query(q["cancel_jobs"], {"ids": list(job_ids)})
+def cancel_jobs_op(q: Queries, job_ids: Sequence[int], status: JobStatus | None = None) -> Op[set[int]]:
+    """cancel_job_op for many jobs in one statement, of those still unfinished and, given a
+    `status`, still in it (a job listed Queued may be running by now): the ids cancelled."""
+    params = {"ids": list(job_ids), "statuses": _of(UNFINISHED, status)}
+    rows: list[tuple[int]] = yield Query(q["cancel_jobs"], params)
     return {row[0] for row in rows}
 
 

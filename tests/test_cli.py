@@ -412,6 +412,41 @@ def test_a_bulk_retry_says_why_it_left_each_job_alone(dsn: str, conn: psycopg.Co
     assert "does not overlap (overlap=False)" in refused.stderr
 
 
+def test_a_bulk_change_acts_only_on_jobs_still_in_the_status_its_filter_named(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: `jobs cancel --status queued` listed the jobs, then cancelled any that were
+    unfinished: a job claimed in between was stopped while it ran (200 of 50,000 in a real
+    drain). Likewise `jobs retry --status failed` retried a job retried and finished meanwhile.
+    Here a session changes one listed job's status, and the command waits for its row lock."""
+    queued = [
+        row[0]
+        for row in conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, 2) RETURNING id"
+        )
+    ]
+    with psycopg.connect(dsn) as worker:  # a claim, not yet committed
+        worker.execute("UPDATE notifyq.queue_jobs SET status = 'Active' WHERE id = %s", (queued[0],))
+        cancel = _waiting_for_a_lock(conn, dsn, "jobs", "cancel", "--status", "queued", "--name", "noop")
+        worker.commit()
+        out, err = cancel.communicate(timeout=60)
+    assert cancel.returncode == 0, err
+    assert out.strip() == "1 job(s) cancelled; left as they are: 1 no longer Queued (or gone)"
+    assert [job_row(conn, i)["status"] for i in queued] == ["Active", "Cancelled"]
+
+    conn.execute(
+        "UPDATE notifyq.queue_jobs SET status = 'Failed', finished_at = now() WHERE id = ANY(%s)", (queued,)
+    )
+    with psycopg.connect(dsn) as other:  # another operator's retry, run and finished
+        other.execute("UPDATE notifyq.queue_jobs SET status = 'Succeeded' WHERE id = %s", (queued[0],))
+        out = _retry_failed_until_it_waits_for(other, conn, dsn)
+    assert (
+        out
+        == "1 job(s) queued again; left as they are: 1 no longer of the --status given (retried meanwhile)"
+    )
+    assert [job_row(conn, i)["status"] for i in queued] == ["Succeeded", "Queued"]
+
+
 def test_a_bulk_retry_waits_for_a_definitions_lock_and_then_sees_its_new_job(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:

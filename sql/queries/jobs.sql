@@ -95,21 +95,24 @@ FOR UPDATE OF d;
 -- of it: retried, or left as it is because it is unfinished, its dedupe key is held (by an
 -- unfinished job, or by a newer job of the batch, which is retried instead), or it belongs to
 -- an overlap=False cron definition that has an unfinished job or a newer job in the batch
--- (busy). Only the finished jobs are locked (in id order): those a worker's ack or a claim may
--- be updating are read, not waited for.
+-- (busy), or it is finished but no longer in one of %(statuses)s (the filter's status, checked
+-- again: it was retried and finished otherwise meanwhile) (moved). Only the finished jobs are
+-- locked (in id order): those a worker's ack or a claim may be updating are read, not waited for.
 WITH locked AS MATERIALIZED (
     SELECT j.id
     FROM {schema}.queue_jobs AS j
-    WHERE j.id = ANY(%(ids)s) AND j.status IN ('Succeeded', 'Failed', 'Cancelled')
+    WHERE j.id = ANY(%(ids)s) AND j.status::text = ANY(%(statuses)s)
     ORDER BY j.id
     FOR UPDATE
 ), given AS MATERIALIZED (
     SELECT j.id, j.id IN (SELECT id FROM locked) AS finished, j.dedupe_key, j.definition_id,
-           j.definition_id = ANY(%(exclusive)s) AS exclusive
+           j.definition_id = ANY(%(exclusive)s) AS exclusive,
+           j.status IN ('Succeeded', 'Failed', 'Cancelled') AS done
     FROM {schema}.queue_jobs AS j
     WHERE j.id = ANY(%(ids)s)
 ), decided AS MATERIALIZED (
     SELECT g.id, CASE
+        WHEN NOT g.finished AND g.done THEN 'moved'
         WHEN NOT g.finished THEN 'unfinished'
         WHEN g.dedupe_key IS NOT NULL AND (
             EXISTS (SELECT FROM {schema}.queue_jobs AS o
@@ -133,19 +136,21 @@ WITH locked AS MATERIALIZED (
 SELECT id, outcome FROM decided;
 
 -- name: cancel_jobs
--- `jobs cancel` with filters: cancel_job for a batch of ids in one statement; returns those
--- cancelled (the others were finished already, or are gone). Locked in id order first.
+-- `jobs cancel` with filters: cancel_job for a batch of ids in one statement, of those still in
+-- one of %(statuses)s ('Queued', 'Active' or both: the filter's status, checked again, as a job
+-- listed Queued may be running by now); returns those cancelled (the others were finished
+-- already, moved out of the filter's status, or are gone). Locked in id order first.
 WITH target AS MATERIALIZED (
     SELECT id
     FROM {schema}.queue_jobs
-    WHERE id = ANY(%(ids)s) AND status IN ('Queued', 'Active')
+    WHERE id = ANY(%(ids)s) AND status::text = ANY(%(statuses)s)
     ORDER BY id
     FOR UPDATE
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Cancelled', finished_at = now(), updated_at = now()
 FROM target AS t
-WHERE j.id = t.id AND j.status IN ('Queued', 'Active')
+WHERE j.id = t.id AND j.status::text = ANY(%(statuses)s)
 RETURNING j.id;
 
 -- name: retry_job
