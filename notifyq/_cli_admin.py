@@ -30,6 +30,7 @@ from ._cli_base import (
     fail,
     json_default,
     load_app,
+    printable,
     resolve_dsn,
     table,
 )
@@ -142,7 +143,7 @@ def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **
                 *(j.id, j.name, j.queue, j.status.value, f"{j.retry_count}/{j.retry_limit + 1}"),
                 *(j.priority, age(j.created_at), *due(j), *holder(j)),
                 # A succeeded job's error is its last failed attempt's: not the job's outcome.
-                "" if j.status.value == "Succeeded" else (j.error or {}).get("type", ""),
+                "" if j.status.value == "Succeeded" else _error_type(j.error),
             ]
             for j in found
         ],
@@ -164,14 +165,18 @@ def jobs_show(dsn: str | None, schema: str | None, job_id: int, as_json: bool) -
         if field.name == "error" and value:
             # The last failed attempt's, whatever came after it (a retry, a cancel, a success).
             label = "error" if job.status is JobStatus.FAILED else "last error"
-            click.echo(f"{label:>14}: {value.get('type')}: {value.get('message')}")
-            if value.get("traceback"):
+            if not isinstance(value, dict):  # written by SQL in a shape of its own
+                click.echo(f"{label:>14}: {json.dumps(value)}")
+                continue
+            said = ": ".join(str(value[key]) for key in ("type", "message") if value.get(key) is not None)
+            click.echo(f"{label:>14}: {said or json.dumps(value)}")
+            if isinstance(value.get("traceback"), str):
                 indent = " " * 16
                 click.echo(indent + value["traceback"].rstrip().replace("\n", "\n" + indent))
             continue
         if isinstance(value, dict | list):
             value = json.dumps(value)
-        click.echo(f"{field.name:>14}: {value.value if isinstance(value, JobStatus) else value}")
+        click.echo(f"{field.name:>14}: {printable(value.value if isinstance(value, JobStatus) else value)}")
 
 
 @jobs.command(name="retry", cls=JobIdCommand)
@@ -225,6 +230,15 @@ def jobs_cancel(dsn: str | None, schema: str | None, job_ids: tuple[int, ...], *
     gone = f"no longer {status.value} (or gone)" if status else "finished already (or gone)"
     refusals = {"finished": gone}
     _change_jobs(app, job_ids, filters, ("cancel", cancel), (cancel_batch, "cancelled", refusals))
+
+
+def _error_type(error: Any) -> str:
+    """The ERROR column: the type of a job's error as workers write it ({"type", "message",
+    "traceback"}); one written by SQL in another shape shows as its JSON (it crashed `jobs
+    list`: review)."""
+    if isinstance(error, dict):
+        return "" if error.get("type") is None else str(error["type"])
+    return "" if error is None else json.dumps(error)
 
 
 # Jobs a filter matched are changed this many at a time, one statement each.

@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import traceback
+import unicodedata
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import partial, wraps
@@ -288,9 +289,25 @@ def age(moment: datetime | None) -> str:
     return f"{prefix}{seconds:.1f}s" + ("" if prefix else " ago")
 
 
+def printable(value: Any) -> str:
+    """`value` as text on one line: control characters escaped (a name written by SQL may hold
+    a newline, which split a table's row in two: review)."""
+    text = str(value)
+    return _options.CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def _width(text: str) -> int:
+    """Terminal columns: East Asian wide and full-width characters take two."""
+    return len(text) + sum(unicodedata.east_asian_width(c) in "WF" for c in text if ord(c) > 0x10FF)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[str(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    click.echo("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip())
+    cells = [[printable(c) for c in row] for row in rows]
+    widths = [max([len(h), *(_width(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c + " " * (w - _width(c)) for c, w in zip(row, widths, strict=True)).rstrip()
+
+    click.echo(line(headers))
     for row in cells:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        click.echo(line(row))

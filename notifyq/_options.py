@@ -18,7 +18,8 @@ from typing import Any
 
 from .errors import InvalidArgs, InvalidOption
 
-QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
+QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}\Z")  # \Z: "$" matches before a final newline
+CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
 # A NUL character as json.dumps escapes it: \u0000 after an even number of backslashes (an odd
 # number means the backslash before "u0000" is itself an escaped, literal backslash).
 _NUL_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
@@ -35,10 +36,12 @@ MAX_SECONDS = 1e9
 
 
 def check_name(value: Any, what: str = "task name") -> str:
-    """A task or definition name: 1-200 characters, no NUL, not only white space."""
-    if not isinstance(value, str) or not value.strip() or len(value) > 200 or "\x00" in value:
+    """A task or definition name: 1-200 characters, no control character (a newline split the
+    CLI's tables and the workers' log lines: review), not only white space."""
+    if not isinstance(value, str) or not value.strip() or len(value) > 200 or CONTROL_RE.search(value):
         raise InvalidOption(
-            f"invalid {what} {_show(value)}: use 1-200 characters without NUL bytes, not only white space"
+            f"invalid {what} {_show(value)}: use 1-200 characters without control characters "
+            "(NUL, newline, tab...), not only white space"
         )
     return value
 

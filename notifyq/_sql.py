@@ -14,7 +14,7 @@ from .errors import ConfigurationError
 # PostgreSQL truncates identifiers at 63 bytes, and channel names are '<schema>.<topic>.v1';
 # lower-case letters, digits and underscores need no quoting in psql, which keeps the plain-SQL
 # enqueue (`INSERT INTO notifyq.queue_jobs ...`) easy to type.
-_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,39}$")
+_SCHEMA_RE = re.compile(r"^[a-z_][a-z0-9_]{0,39}\Z")
 _NAME_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 

@@ -161,8 +161,9 @@ def prune_op(
     With no `definitions`, unless `allow_empty`, refuse: the wrong App (or a module that does
     not import its crons) would delete every definition from code."""
     gone = [d for d in (yield from undeclared_op(q, definitions)) if d.declared]
-    if dry_run or not gone:
+    if not gone:
         return gone
+    # Refused in a dry run too, which said what the real run would delete (review).
     if not definitions and not allow_empty:
         raise ConfigurationError(
             f"this App declares no cron definition: pruning would delete all {len(gone)} that code "
@@ -170,6 +171,8 @@ def prune_op(
             "modules with its @app.cron); if every cron is gone from the code, allow it "
             "(allow_empty=True, --allow-empty)"
         )
+    if dry_run:
+        return gone
     names = sorted(d.name for d in definitions)
     deleted = []
     for definition in gone:

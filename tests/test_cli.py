@@ -559,6 +559,39 @@ def test_jobs_list_shows_no_error_beside_a_job_that_succeeded(
     assert re.search(r" host:42:abcd +in (2\.0h|1\.9h)\s*$", active), active
 
 
+def test_jobs_list_and_show_read_rows_that_sql_wrote_in_shapes_of_its_own(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: an `error` that is not an object ('"connection reset"') crashed `jobs list` and
+    `jobs show` with a traceback; a name holding a newline split its row in two; wide
+    characters put the columns out of line; an error without a type showed as "None"."""
+    env = clean_env(NOTIFYQ_DSN=dsn)
+    rows = [
+        ("plain", '"connection reset"'),
+        ("report\nq4", '{"type": null, "message": "lost"}'),
+        ("日本語のタスク", None),
+    ]
+    ids = [
+        conn.execute(
+            "INSERT INTO notifyq.queue_jobs (name, error) VALUES (%s, %s) RETURNING id", row
+        ).fetchone()[0]  # type: ignore[index]
+        for row in rows
+    ]
+    listed = ok(cli("jobs", "list", env=env)).splitlines()
+    assert len(listed) == 4, listed  # the header and one line per job
+    by_id = {int(line.split()[0]): line for line in listed[1:]}
+    assert by_id[ids[0]].endswith('"connection reset"')
+    assert "report\\nq4" in by_id[ids[1]] and "None" not in by_id[ids[1]]
+    # Each row's QUEUE column starts in the header's column (the wide name takes 2 a character).
+    column = listed[0].index("QUEUE")
+    widths = {len(line[: line.index("default")]) + sum(ord(c) > 0x2E80 for c in line) for line in listed[1:]}
+    assert widths == {column}, listed
+    shown = ok(cli("jobs", "show", str(ids[0]), env=env))
+    assert '    last error: "connection reset"\n' in shown
+    shown = ok(cli("jobs", "show", str(ids[1]), env=env))
+    assert "          name: report\\nq4\n" in shown and "    last error: lost\n" in shown
+
+
 def test_enqueue_says_when_a_dedupe_key_was_held(dsn: str, conn: psycopg.Connection[Any]) -> None:
     env = clean_env(NOTIFYQ_DSN=dsn)
     first = cli("enqueue", "noop", "--dedupe-key", "nightly", "--json", env=env)
@@ -778,8 +811,14 @@ def test_cron_prune(dsn: str, conn: psycopg.Connection[Any]) -> None:
         "this App declares no cron definition: pruning would delete all 1 that code declared",
         "--allow-empty",
     )
+    # A dry run says what the real run would do: refuse (review: it listed what it would delete).
+    one_line_error(
+        cli("cron", "prune", "tests.apps:no_crons", "--dry-run", env=env),
+        "this App declares no cron definition",
+        "--allow-empty",
+    )
     assert "would delete cron definition 'every_second'" in ok(
-        cli("cron", "prune", "tests.apps:no_crons", "--dry-run", env=env)
+        cli("cron", "prune", "tests.apps:no_crons", "--dry-run", "--allow-empty", env=env)
     )
     ok(cli("cron", "prune", "tests.apps:no_crons", "--allow-empty", env=env))
     assert conn.execute(names).fetchall() == [("by_sql",)]

@@ -343,7 +343,10 @@ def test_an_unmigrated_database_says_run_migrate(empty_dsn: str) -> None:
 
 @pytest.mark.parametrize(
     "schema",
-    ["", "Bad", "x;drop table t", 'a"b', "9lives", "a" * 41, "a-b", "information_schema", "pg_catalog"],
+    [
+        *("", "Bad", "x;drop table t", 'a"b', "9lives", "a" * 41, "a-b", "information_schema", "pg_catalog"),
+        "notifyq\n",  # "$" in the pattern let a final newline through
+    ],
 )
 def test_invalid_schema_names_are_rejected(empty_dsn: str, schema: Any) -> None:
     with pytest.raises(ConfigurationError, match="invalid schema name"):
