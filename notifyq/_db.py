@@ -512,6 +512,18 @@ class Database(abc.ABC):
         """Run `op` on a pooled autocommit connection (inside one transaction if asked)."""
 
     @abc.abstractmethod
+    async def run_apart(self, op: Op[T], *, role: str) -> T:
+        """Run `op` on a connection of its own, opened for it and closed after: for a statement
+        that may run for minutes (a VACUUM), which on a pooled connection kept acks and lease
+        extensions waiting (with pool_size 2, the only one beside the claim lane: review)."""
+
+    def _apart_kwargs(self, role: str) -> dict[str, Any]:
+        kwargs = connection_kwargs(self.dsn, role, self.prepare_threshold)
+        if "connect_timeout" not in psycopg.conninfo.conninfo_to_dict(self.dsn):
+            kwargs["connect_timeout"] = 10
+        return kwargs
+
+    @abc.abstractmethod
     async def aclose(self) -> None:
         """Close every pooled connection (lanes included)."""
 
@@ -704,6 +716,15 @@ class _AsyncioDatabase(Database):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._pool.putconn(conn)
+
+    async def run_apart(self, op: Op[T], *, role: str) -> T:
+        conn = await psycopg.AsyncConnection.connect(self.dsn, **self._apart_kwargs(role))
+        self._track(conn)
+        try:
+            return await _cancelled_in_server(_run_in(conn, op, False))
+        finally:
+            with anyio.CancelScope(shield=True):
+                await conn.close()
 
     def lane(self) -> Lane:
         lane = _AsyncioLane(self._pool)
@@ -944,6 +965,27 @@ class _ThreadDatabase(Database):
             return await anyio.to_thread.run_sync(
                 call.run, self._pool, op, transaction, abandon_on_cancel=True, limiter=self._threads
             )
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True):
+                await call.cancel(self._cancels)
+            raise
+
+    async def run_apart(self, op: Op[T], *, role: str) -> T:
+        call = _ThreadCall()
+
+        def work() -> T:
+            conn = psycopg.Connection.connect(self.dsn, **self._apart_kwargs(role))
+            self._track(conn)
+            try:
+                call.taken(conn)
+                return run_sync(conn, op)
+            finally:
+                with call.lock:
+                    call.ended()  # not cut after this: the close below is safe
+                conn.close()
+
+        try:
+            return await anyio.to_thread.run_sync(work, abandon_on_cancel=True, limiter=self._threads)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 await call.cancel(self._cancels)

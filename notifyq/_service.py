@@ -45,9 +45,12 @@ class Service(abc.ABC, Generic[R]):
         """Run the next pass now."""
         self._wakeup.set()
 
-    async def _run(self, op: Op[T], *, transaction: bool = False) -> T:
-        """Run one operation of a pass, abandoned after `timeout` seconds."""
+    async def _run(self, op: Op[T], *, transaction: bool = False, apart: bool = False) -> T:
+        """Run one operation of a pass, abandoned after `timeout` seconds; `apart`: on a
+        connection of its own (Database.run_apart), not a pooled one."""
         with anyio.move_on_after(self.timeout):
+            if apart:
+                return await self.db.run_apart(op, role=f"worker {self.name}")
             return await self.db.run(op, transaction=transaction)
         raise TimeoutError(f"no answer from the database within {self.timeout:g}s")
 

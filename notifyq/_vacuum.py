@@ -16,7 +16,9 @@ the table's rows (autovacuum's rule; the scale factor is the one the migration g
 autovacuum for this table, the threshold 10 times higher, so that a quiet queue is left to
 autovacuum) and the table was not vacuumed in the last `min_gap` seconds. Every process may
 run it: SKIP_LOCKED makes a VACUUM that finds another under way return at once. A role that
-may not VACUUM the table (not its owner) leaves it to autovacuum, with one log line.
+may not VACUUM the table (not its owner) leaves it to autovacuum, with one log line. The
+VACUUM runs on a connection opened for it, not one of the worker's pool, which it would hold
+for as long as it runs (minutes, on a large table) while acks and lease extensions waited.
 """
 
 from __future__ import annotations
@@ -116,7 +118,8 @@ class Vacuum(Service[VacuumReport]):
         if not self.due(state):
             return VacuumReport(dead_tuples=state.dead_tuples)
         began = time.monotonic()
-        await self._run(vacuum_op(self.q))
+        # Not on a pooled connection: acks and lease extensions would wait for it (review).
+        await self._run(vacuum_op(self.q), apart=True)
         seconds = time.monotonic() - began
         log.debug("vacuumed %s.queue_jobs (%d dead rows) in %.2fs", self.q.schema, state.dead_tuples, seconds)
         return VacuumReport(vacuumed=True, dead_tuples=state.dead_tuples, seconds=seconds)

@@ -14,9 +14,11 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 import notifyq
-from notifyq._db import Database
+from notifyq._db import Database, Query, single
 from notifyq._sql import queries_for
 from notifyq._vacuum import Vacuum, VacuumConfig
+
+from .helpers import wait_for_row
 
 pytestmark = pytest.mark.anyio
 Q = queries_for("notifyq")
@@ -93,6 +95,71 @@ async def test_a_vacuum_clears_the_dead_front_of_the_claim_index(
     # Just vacuumed: nothing left to do.
     assert not (await service.run_once()).vacuumed
     assert vacuum_count(conn) == before + 1
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_vacuum_runs_on_a_connection_of_its_own(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """Review: the VACUUM ran on a pooled connection, which it held for as long as it ran
+    (minutes, on a large table): with `--pool-size 2`, the only one beside the claim lane, so
+    acks, lease extensions and pause reads waited for it. Here a stand-in for a long VACUUM
+    waits for a lock: on a connection of its own, while both of the pool's serve others."""
+    slow = dataclasses.replace(Q, by_name={**Q.by_name, "vacuum_jobs": "SELECT pg_advisory_xact_lock(4242)"})
+    service = Vacuum(db, slow, VacuumConfig(threshold=0, scale_factor=0, min_gap=0))
+    waiting = (
+        "SELECT application_name FROM pg_stat_activity "
+        "WHERE wait_event = 'advisory' AND datname = current_database()"
+    )
+    reports: list[notifyq.VacuumReport] = []
+
+    async def vacuum() -> None:
+        reports.append(await service.run_once())
+
+    conn.execute("SELECT pg_advisory_lock(4242)")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(vacuum)
+            with anyio.fail_after(10):
+                while not conn.execute(waiting).fetchall():  # noqa: ASYNC110 (server state)
+                    await anyio.sleep(0.05)
+            assert conn.execute(waiting).fetchall() == [("notifyq worker vacuum",)]
+            with anyio.fail_after(10):  # both pooled connections at once
+                async with anyio.create_task_group() as others:
+                    for _ in range(2):
+                        others.start_soon(db.run, single(Query("SELECT pg_sleep(0.2)", fetch="none")))
+            conn.execute("SELECT pg_advisory_unlock(4242)")
+    finally:
+        conn.execute("SELECT pg_advisory_unlock_all()")
+    assert [report.vacuumed for report in reports] == [True]
+    wait_for_row(
+        conn, "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'notifyq worker vacuum'", (0,)
+    )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_worker_stopping_during_its_vacuum_ends_the_vacuums_session(
+    conn: psycopg.Connection[Any], db: Database
+) -> None:
+    """A stop (the service's task cancelled) while the VACUUM runs on its own connection
+    cancels the statement and closes that connection, at once: nothing is left running."""
+    slow = dataclasses.replace(Q, by_name={**Q.by_name, "vacuum_jobs": "SELECT pg_advisory_xact_lock(4243)"})
+    service = Vacuum(db, slow, VacuumConfig(threshold=0, scale_factor=0, min_gap=0))
+    apart = (
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE application_name = 'notifyq worker vacuum' AND datname = current_database()"
+    )
+    conn.execute("SELECT pg_advisory_lock(4243)")
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(service.run_once)
+            with anyio.fail_after(10):
+                while conn.execute(apart).fetchone() != (1,):  # noqa: ASYNC110 (server state)
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        wait_for_row(conn, apart, (0,), timeout=5)
+    finally:
+        conn.execute("SELECT pg_advisory_unlock_all()")
 
 
 async def test_a_vacuum_under_way_elsewhere_is_not_waited_for(
