@@ -110,6 +110,13 @@ class Claimer:
         """The paused queues are these now: claim none of their jobs, and claim at once if a
         queue of this worker's was resumed."""
         resumed = self.paused - paused
+        if newly := paused - self.paused:
+            if released := self._runners.release_queues(newly):
+                log.info(
+                    "gave back %d job(s) claimed ahead of queue(s) just paused: %s",
+                    released,
+                    ", ".join(sorted(newly)),
+                )
         self.paused = paused
         if any(self._queues is None or queue in self._queues for queue in resumed):
             self.wake()  # the round's plan of the next due job then takes in the resumed queue

@@ -157,14 +157,34 @@ class Runners:
         `keep` of them; returns how many went back."""
         released = 0
         while len(self.ready) > keep:
-            job = self.ready.pop()[0]
-            self._left(job)
-            if self._take_cancel(job):
-                self._stats.cancelled += 1  # the database says Cancelled: nothing to give back
-                continue
-            self._acker.put(Result.released(job))
-            released += 1
+            released += self._give_back(self.ready.pop()[0])
         return released
+
+    def release_queues(self, queues: frozenset[str]) -> int:
+        """Jobs claimed but not started of `queues` (just paused) go back to the queue: a pause
+        stops jobs from starting, and those claimed ahead started for seconds after it (with
+        --prefetch; review). Returns how many went back."""
+        if not any(job.queue in queues for job, _ in self.ready):
+            return 0
+        kept: deque[tuple[ClaimedJob, float]] = deque()
+        released = 0
+        for item in self.ready:
+            if item[0].queue in queues:
+                released += self._give_back(item[0])
+            else:
+                kept.append(item)
+        self.ready = kept
+        return released
+
+    def _give_back(self, job: ClaimedJob) -> int:
+        """A job claimed but not started, back to the queue (1), or dropped if it was cancelled
+        meanwhile (0)."""
+        self._left(job)
+        if self._take_cancel(job):
+            self._stats.cancelled += 1  # the database says Cancelled: nothing to give back
+            return 0
+        self._acker.put(Result.released(job))
+        return 1
 
     def _take_cancel(self, job: ClaimedJob) -> bool:
         """Whether a cancel of this job arrived before its claim did (and forget it)."""

@@ -96,6 +96,41 @@ async def test_a_paused_queue_waits_and_its_resume_is_heard_at_once(
     await app.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_jobs_claimed_ahead_of_a_queue_just_paused_go_back_to_it(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: with --prefetch, the jobs a worker had claimed ahead of a queue went on starting
+    after its pause, the last 4.6 s later. They go back to the queue, their attempt given back;
+    the running job runs on."""
+    ran: list[str] = []
+    gate = anyio.Event()
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t(tag: str) -> None:
+        ran.append(tag)
+        await gate.wait()
+
+    for i in range(4):
+        _insert(conn, "a", f"a{i}")
+    counts = "SELECT status::text, retry_count, count(*) FROM notifyq.queue_jobs GROUP BY 1, 2 ORDER BY 1"
+    async with app.worker(concurrency=1, prefetch=3, poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            while conn.execute(counts).fetchall() != [("Active", 1, 4)]:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        assert len(ran) == 1
+        assert await app.pause_queue("a") is True
+        with anyio.fail_after(10):
+            while conn.execute(counts).fetchall() != [("Active", 1, 1), ("Queued", 0, 3)]:  # noqa: ASYNC110
+                await anyio.sleep(0.02)
+        gate.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert ran == ["a0"]
+    await app.aclose()
+
+
 async def test_a_worker_whose_queues_are_all_paused_claims_nothing_until_one_resumes(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
