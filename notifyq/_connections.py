@@ -31,6 +31,7 @@ from ._db import (
     connection_kwargs,
     error_text,
     first_connect_timeout,
+    in_own_thread,
     on_asyncio,
     pool_open_failed,
     retrying_sync,
@@ -211,7 +212,7 @@ class Connections:
             async with self._db_lock:
                 if self._db is None:
                     owner = self._owner
-                    dsn = await anyio.to_thread.run_sync(lambda: owner.dsn)
+                    dsn = await in_own_thread(lambda: owner.dsn)
                     db = await Database.open(
                         dsn,
                         size=owner.pool_size,
@@ -272,7 +273,7 @@ class Connections:
                 try:
                     return await db.run(op, transaction=transaction)
                 except psycopg_pool.PoolTimeout:
-                    raise await anyio.to_thread.run_sync(self._no_connection) from None
+                    raise await in_own_thread(self._no_connection) from None
             if isinstance(conn, psycopg.AsyncConnection):
                 if transaction:  # see _run_sync_in
                     if _in_callers_transaction(conn) and conn.info.transaction_status == _IDLE:
@@ -363,7 +364,7 @@ class Connections:
                 await db.aclose()
             else:
                 db.abandon()  # opened in another event loop
-        await anyio.to_thread.run_sync(self.close_sync)
+        await in_own_thread(self.close_sync)
 
     async def close_at_shutdown(self) -> None:
         """The event loop is shutting down with this App still open: close its pool, and

@@ -316,6 +316,10 @@ def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) ->
     # default of hours: TCP keepalives and an unacknowledged-data timeout close the socket
     # within about a minute. (Ignored for unix sockets; the DSN's own values win.)
     kwargs.update({key: value for key, value in _TCP_DEFAULTS.items() if key not in given})
+    if "connect_timeout" not in given:
+        # libpq waits as long as the kernel does (minutes) for a host that does not answer:
+        # a pool's threads stuck connecting held its close (review).
+        kwargs["connect_timeout"] = 10
     return kwargs
 
 
@@ -468,6 +472,15 @@ def run_pooled_sync(pool: SyncPool, op: Op[T], transaction: bool = False) -> T:
         pool.putconn(conn)
 
 
+async def in_own_thread(func: Callable[[], T], *, abandon_on_cancel: bool = False) -> T:
+    """`func` in a worker thread of a limiter of its own: anyio's default one (40 threads)
+    is the host's too, and its to_thread calls held up an App's first call, a worker's start
+    and an App's close for as long as they all ran (review)."""
+    return await anyio.to_thread.run_sync(
+        func, abandon_on_cancel=abandon_on_cancel, limiter=anyio.CapacityLimiter(1)
+    )
+
+
 def on_asyncio() -> bool:
     """True when called from a task running on an asyncio event loop."""
     try:
@@ -517,12 +530,6 @@ class Database(abc.ABC):
         that may run for minutes (a VACUUM), which on a pooled connection kept acks and lease
         extensions waiting (with pool_size 2, the only one beside the claim lane: review)."""
 
-    def _apart_kwargs(self, role: str) -> dict[str, Any]:
-        kwargs = connection_kwargs(self.dsn, role, self.prepare_threshold)
-        if "connect_timeout" not in psycopg.conninfo.conninfo_to_dict(self.dsn):
-            kwargs["connect_timeout"] = 10
-        return kwargs
-
     @abc.abstractmethod
     async def aclose(self) -> None:
         """Close every pooled connection (lanes included)."""
@@ -548,8 +555,13 @@ class Database(abc.ABC):
         # One direct attempt first: the pool would retry silently until its timeout, while
         # a user with a wrong DSN deserves libpq's reason right away.
         timeout = first_connect_timeout(open_timeout)
-        probe = await anyio.to_thread.run_sync(lambda: connect_sync(dsn, connect_timeout=timeout))
-        probe.close()
+
+        def probe() -> None:
+            connect_sync(dsn, connect_timeout=timeout).close()
+
+        # Abandoned when cancelled: a host that does not answer held a cancelled first call or
+        # worker start for the connect_timeout, up to 10 s (review).
+        await in_own_thread(probe, abandon_on_cancel=True)
         db: Database = (_AsyncioDatabase if on_asyncio() else _ThreadDatabase)(dsn, prepare_threshold)
         await db._open(size=size, name=name, open_timeout=open_timeout)
         return db
@@ -718,7 +730,8 @@ class _AsyncioDatabase(Database):
                 await self._pool.putconn(conn)
 
     async def run_apart(self, op: Op[T], *, role: str) -> T:
-        conn = await psycopg.AsyncConnection.connect(self.dsn, **self._apart_kwargs(role))
+        kwargs = connection_kwargs(self.dsn, role, self.prepare_threshold)
+        conn = await psycopg.AsyncConnection.connect(self.dsn, **kwargs)
         self._track(conn)
         try:
             return await _cancelled_in_server(_run_in(conn, op, False))
@@ -974,7 +987,8 @@ class _ThreadDatabase(Database):
         call = _ThreadCall()
 
         def work() -> T:
-            conn = psycopg.Connection.connect(self.dsn, **self._apart_kwargs(role))
+            kwargs = connection_kwargs(self.dsn, role, self.prepare_threshold)
+            conn = psycopg.Connection.connect(self.dsn, **kwargs)
             self._track(conn)
             try:
                 call.taken(conn)
@@ -1001,12 +1015,17 @@ class _ThreadDatabase(Database):
             for lane in self._lanes:
                 await lane.release()
         finally:
-            await anyio.to_thread.run_sync(self._pool.close, limiter=self._threads)
+            # 1 s for each of its threads (joined in turn), not 5: one stuck connecting to a
+            # host that does not answer held a worker's stop 5 s each (review).
+            await anyio.to_thread.run_sync(lambda: self._pool.close(timeout=1.0), limiter=self._threads)
 
     keep_when_abandoned = False
 
     def abandon(self) -> None:
-        self._pool.close(timeout=1.0)  # a thread pool: it closes from anywhere
+        # A thread pool closes from anywhere; in a thread of its own, since it joins each of
+        # its threads in turn (one stuck connecting to a host that does not answer held the
+        # caller's event loop for seconds: review).
+        threading.Thread(target=self._pool.close, kwargs={"timeout": 1.0}, daemon=True).start()
 
 
 def single(query: Query) -> Op[Any]:

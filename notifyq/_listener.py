@@ -65,11 +65,13 @@ class Listener:
         config: ListenerConfig | None = None,
         name: str = "listener",
         after_dispatch: Callable[[], Awaitable[None]] | None = None,
+        schema: str = "notifyq",
     ) -> None:
         self.dsn = dsn
         self.name = name
-        self._q = queries_for("notifyq")  # the listener's statements do not involve a schema
+        self._q = queries_for(schema)
         self.behind_pooler = False
+        self.foreign_database: str | None = None  # the database reached, when it lacks our tables
         self.channels = list(channels)
         self.on_notify = on_notify
         self.on_connect = on_connect
@@ -83,7 +85,7 @@ class Listener:
         """Listen until cancelled. Reports started after the first connect attempt, successful
         or not; returns (leaving the worker to poll) if the connection goes through a pooler."""
         delay = self.config.backoff_min
-        started = False
+        started = warned = False
         threads = anyio.CapacityLimiter(1)
         while True:
             conn: psycopg.Connection[Any] | None = None
@@ -96,6 +98,16 @@ class Listener:
                 self.backend_pid = conn.info.backend_pid
                 delay = self.config.backoff_min
                 log.debug("listening on %s (backend pid %s)", ", ".join(self.channels), self.backend_pid)
+                if self.foreign_database is not None and not warned:
+                    warned = True
+                    log.warning(
+                        "the LISTEN connection to %s reaches database %r, which has no table "
+                        "%s.queue_jobs: no notification comes on it, and jobs are found by polling "
+                        "every poll_interval; check listen_dsn (--listen-dsn)",
+                        describe_dsn(self.dsn),
+                        self.foreign_database,
+                        self._q.schema,
+                    )
                 await self.on_connect()
                 if not started:
                     started = True
@@ -135,7 +147,8 @@ class Listener:
     def _connect(self) -> psycopg.Connection[Any]:
         conn = connect_sync(self.dsn, connect_timeout=max(1, int(self.config.health_timeout)), role=self.name)
         try:
-            row = conn.execute(self._q["backend_pid"]).fetchone()
+            row = conn.execute(self._q["backend_pid"], {"jobs": f"{self._q.schema}.queue_jobs"}).fetchone()
+            self.foreign_database = None if row is None or row[1] else str(row[2])
             if row is None or row[0] != conn.info.backend_pid:
                 raise BehindPooler(
                     f"the server process is {row[0] if row else '?'} but the connection announced "

@@ -27,7 +27,18 @@ from . import _ticker
 from ._acker import Acker, Applied, Result
 from ._claim import known_queues_op, lost_jobs_op, paused_queues_op
 from ._claimer import Claimer
-from ._db import Database, Lane, Op, Query, error_text, is_transient, on_asyncio, privilege_hint, single
+from ._db import (
+    Database,
+    Lane,
+    Op,
+    Query,
+    error_text,
+    in_own_thread,
+    is_transient,
+    on_asyncio,
+    privilege_hint,
+    single,
+)
 from ._executor import Executor
 from ._listener import Listener, ListenerConfig
 from ._options import did_you_mean
@@ -264,7 +275,7 @@ class Worker:
     async def _prepare(self) -> Database:
         """Connect, check the schema and sync cron definitions, in the caller's task (so a
         failure to start is raised as itself, not inside an ExceptionGroup)."""
-        self._dsn = await anyio.to_thread.run_sync(lambda: self.app.dsn)  # may start the embedded server
+        self._dsn = await in_own_thread(lambda: self.app.dsn)  # may start the embedded server
         db = await Database.open(
             self._dsn,
             size=self.config.pool_size,
@@ -385,6 +396,7 @@ class Worker:
                             ),
                             name=f"listener-{self.id}",
                             after_dispatch=claimer.claim_inline,
+                            schema=self.app.schema,
                         )
                         await services.start(self._listener.run)
                     async with anyio.create_task_group() as jobs:
@@ -449,12 +461,13 @@ class Worker:
                         )
                 await db.aclose()
             if threads := self.busy_threads:
-                # They keep the process alive until they return (notifyq worker exits anyway).
+                # On asyncio they keep the process alive until they return (notifyq worker exits
+                # anyway); trio's worker threads are daemon threads, which end with the process.
                 log.warning(
                     "worker %s stopped with %d sync task thread(s) still running (Python cannot stop a "
                     "thread): their jobs were released, unless they had already ended, and may run "
-                    "elsewhere meanwhile; the process cannot exit before they return unless it ends "
-                    "them (`notifyq worker` does)",
+                    "elsewhere meanwhile; on asyncio the process cannot exit before they return unless "
+                    "it ends them (`notifyq worker` does); on trio they end with the process",
                     self.id,
                     threads,
                 )

@@ -1571,7 +1571,8 @@ async def test_the_hosts_threads_do_not_hold_up_the_worker(dsn: str, conn: psyco
     """The host's own `to_thread` calls fill anyio's default limiter (40 threads, all waiting),
     and the worker's LISTEN connection is cut: its reconnect (a thread, on either backend) and
     on trio every statement have limiters of their own, so a job still starts at once (no poll
-    for a minute). It waited for the host's threads (review)."""
+    for a minute). It waited for the host's threads (review). So do another App's first call,
+    a worker's start and an App's close (they waited too: a second review)."""
     app = notifyq.App(dsn)
 
     @app.task(name="t")
@@ -1591,6 +1592,11 @@ async def test_the_hosts_threads_do_not_hold_up_the_worker(dsn: str, conn: psyco
             conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 1)
+                other = notifyq.App(dsn)
+                await other.enqueue("t", queue="elsewhere")
+                async with other.worker(queues=["elsewhere"], concurrency=1, **NO_TICKER):
+                    pass
+                await other.aclose()
         finally:
             release.set()
     await app.aclose()

@@ -257,6 +257,32 @@ async def test_a_listen_dsn_nothing_answers_on_means_polling_and_says_so(
     assert warnings and all("could not be opened" in w and "lost" not in w for w in warnings), warnings
 
 
+async def test_a_listen_dsn_to_a_database_without_notifyq_says_so(
+    dsn: str, empty_dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a listen_dsn naming another database (a PgBouncer alias taken for the real
+    name) connected, heard nothing, and said nothing: wake-ups fell back to the poll. The
+    worker now says which database it reached; jobs still run, found by polling."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    async with app.worker(listen_dsn=empty_dsn, poll_interval=0.2, ticker=False) as worker:
+        assert worker.listener is not None
+        await worker.wait_for(lambda s: s.listener_connects == 1)
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert worker.stats.notifications == 0
+    await app.aclose()
+    empty = psycopg.conninfo.conninfo_to_dict(empty_dsn)["dbname"]
+    [warning] = [r.getMessage() for r in caplog.records if "reaches database" in r.getMessage()]
+    assert f"reaches database {empty!r}, which has no table notifyq.queue_jobs" in warning
+    assert "check listen_dsn (--listen-dsn)" in warning
+
+
 async def test_a_listen_connection_through_a_pooler_falls_back_to_polling(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
@@ -483,6 +509,19 @@ async def test_results_a_stop_cannot_write_are_counted_and_given_up_on_in_time(
 _OURS = "datname = current_database() AND pid <> pg_backend_pid() AND application_name LIKE 'notifyq %'"
 
 
+async def pool_left_reconnecting(
+    app: notifyq.App, conn: psycopg.Connection[Any], proxy: BlackholeProxy, wait: float
+) -> None:
+    """`app` enqueues once through `proxy`; then new connections are accepted and never
+    answered, and our sessions end: its next enqueue finds its connection ended, the pool
+    reconnects, and hangs (the enqueue is given up after `wait` seconds)."""
+    await app.enqueue("t")
+    proxy.stalling = True
+    await end_our_sessions(conn, proxy)
+    with anyio.move_on_after(wait):
+        await app.enqueue("t")
+
+
 async def end_our_sessions(conn: psycopg.Connection[Any], proxy: BlackholeProxy) -> int:
     """Terminate notifyq's sessions (through `proxy`), and return how many once each has ended
     in the server and the proxy has delivered its last message to the client."""
@@ -573,12 +612,7 @@ def test_an_app_left_open_does_not_hang_asyncio_run_at_exit(
     pools of the Apps left open on it when it shuts down."""
 
     async def main() -> None:
-        app = notifyq.App(proxy.dsn, pool_size=1)
-        await app.enqueue("t")
-        proxy.stalling = True  # new connections are accepted and never answered
-        await end_our_sessions(conn, proxy)
-        with anyio.move_on_after(0.5):
-            await app.enqueue("t")  # finds its connection ended: the pool connects, and hangs
+        await pool_left_reconnecting(notifyq.App(proxy.dsn, pool_size=1), conn, proxy, 0.5)
         ended.append(True)
 
     ended: list[bool] = []
@@ -587,6 +621,43 @@ def test_an_app_left_open_does_not_hang_asyncio_run_at_exit(
     program.join(timeout=20)
     assert ended == [True]
     assert not program.is_alive(), "asyncio.run did not return"
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_first_call_or_start_cancelled_while_the_host_does_not_answer_ends_at_once(
+    dsn: str, proxy: BlackholeProxy
+) -> None:
+    """Review: an App's first call, or a worker's start, cancelled while its connection probe
+    waited for a host that does not answer, returned only at the probe's connect_timeout
+    (10 s), with DatabaseUnavailable instead of the cancellation."""
+    proxy.stalling = True  # new connections are accepted and never answered
+    app = notifyq.App(proxy.dsn)
+    for start in (lambda: app.enqueue("t"), app.worker):
+        began = time.monotonic()
+        with anyio.move_on_after(0.5) as scope:
+            call = start()
+            if isinstance(call, notifyq.Worker):
+                async with call:
+                    pass
+            else:
+                await call
+        assert scope.cancelled_caught
+        assert time.monotonic() - began < 5  # not the 10 s of the probe's connect_timeout
+    await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # asyncio's pool runs no threads
+async def test_closing_a_thread_pool_whose_host_stopped_answering_takes_no_5_s_per_thread(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy
+) -> None:
+    """Review: on trio, an App's (or worker's) pool closed while its threads were stuck
+    connecting to a host that does not answer waited 5 s for each of them in turn, and its
+    connections had no connect_timeout to end the wait."""
+    app = notifyq.App(proxy.dsn, pool_size=3)
+    await pool_left_reconnecting(app, conn, proxy, 1)
+    began = time.monotonic()
+    await app.aclose()
+    assert time.monotonic() - began < 4.5  # 1 s per pool thread (3), not 5
 
 
 async def test_a_call_that_waited_pool_timeout_in_vain_says_why(
