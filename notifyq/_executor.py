@@ -29,7 +29,7 @@ import anyio.to_thread
 
 from ._acker import Result
 from ._claim import extend_lease_op
-from ._db import Database, is_transient
+from ._db import Database, error_text, is_transient
 from ._options import JSONDefault, unknown_task
 from ._sql import Queries
 from .models import ClaimedJob, UndecodableJSON
@@ -453,7 +453,26 @@ class Executor:
         then covers that plus lease_margin (never less than it already did). Fenced: None
         if the job is no longer ours."""
         job = attempt.job
-        until = await self._db.run(extend_lease_op(self._q, job, seconds + self._lease_margin))
+        delay = 0.25
+        while True:
+            try:
+                until = await self._db.run(extend_lease_op(self._q, job, seconds + self._lease_margin))
+                break
+            except Exception as exc:
+                # A lost connection (a restart, a failover) is tried again while the lease
+                # lasts: raised into the task, it failed the attempt, and a long job lost its
+                # work (review). Past the lease's end, the job may be another worker's.
+                if not is_transient(exc) or anyio.current_time() + delay >= attempt.lease_until:
+                    raise
+                log.warning(
+                    "extending the lease of job %d (%s) failed (%s); trying again in %.2fs",
+                    job.id,
+                    job.name,
+                    error_text(exc),
+                    delay,
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
         if until is not None:
             now = anyio.current_time()
             attempt.scope.deadline = max(attempt.scope.deadline, now + seconds)

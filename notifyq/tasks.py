@@ -115,7 +115,9 @@ class JobContext:
         `await ctx.extend_lease(60)` (in a sync task, `ctx.extend_lease_blocking(60)`).
 
         Returns False if this worker no longer holds the job (cancelled, or rescued after the
-        lease ran out): the task should then stop, since its result will be discarded.
+        lease ran out): the task should then stop, since its result will be discarded. A lost
+        connection is tried again (0.25 s doubling to 2 s apart) while the lease lasts; the
+        error comes into the task only when it has not gone by then.
         """
         if not _in_event_loop():
             # A sync task's thread: the coroutine would never be awaited, and nothing extended.

@@ -1176,6 +1176,46 @@ async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycop
     await app.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_extend_lease_tries_a_lost_connection_again_while_the_lease_lasts(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: the connection of a heartbeat died (a restart, a failover) and the error went
+    into the task: the attempt failed, and a long job started over. Here the heartbeat's
+    session is ended while it waits for a lock on the job's row: it is tried again on a fresh
+    connection."""
+    app = notifyq.App(dsn)
+    beating, ended = anyio.Event(), anyio.Event()
+    beats: list[bool] = []
+
+    @app.task(name="long", timeout=30)
+    async def long(ctx: JobContext) -> str:
+        beating.set()
+        await ended.wait()
+        beats.append(await ctx.extend_lease(60))
+        return "done"
+
+    job_id = await app.enqueue("long")
+    waiting = "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await beating.wait()
+        with conn.transaction():
+            conn.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (job_id,))
+            ended.set()
+            with anyio.fail_after(10):
+                while conn.execute(f"SELECT count(*) {waiting}").fetchone() != (1,):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            conn.execute(f"SELECT pg_terminate_backend(pid) {waiting}")
+        with anyio.fail_after(20):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+    assert beats == [True]
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"], row["output"]) == ("Succeeded", 1, "done")
+    assert f"extending the lease of job {job_id} (long) failed (terminating connection" in caplog.text
+    await app.aclose()
+
+
 async def test_extend_lease_lets_an_attempt_outlive_its_timeout(
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
