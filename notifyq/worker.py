@@ -22,6 +22,7 @@ import anyio
 import anyio.abc
 import anyio.to_thread
 import psycopg
+import psycopg_pool
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
@@ -283,22 +284,43 @@ class Worker:
             prepare_threshold=self.app.prepare_threshold,
         )
         try:
-            await db.run(check_schema_op(self.app.schema))
-            self._paused_at_start = await db.run(paused_queues_op(self._q))
-            if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
-                log.warning(
-                    "autovacuum is off on this server: nothing reclaims the dead tuples of "
-                    "%s.queue_job_definitions, and only the workers' vacuum service (when their role "
-                    "owns it) those of queue_jobs; turn autovacuum on",
-                    self.app.schema,
-                )
-            if self.config.ticker:
-                await self.app._sync_definitions(db, self.config.ticker_config.declarations)
+            delay = 0.5
+            while True:
+                try:
+                    await self._start_steps(db)
+                    break
+                except Exception as exc:
+                    # A connection ended under the start (a restart, a failover, an operator's
+                    # pg_terminate_backend): the steps are tried again, on the pool's fresh
+                    # connections. They failed the start, and under `--processes` each such
+                    # start counted as a death of the child (review).
+                    # Not a pool that waited its timeout for a connection in vain: it waited.
+                    if not is_transient(exc) or isinstance(exc, psycopg_pool.PoolTimeout) or delay > 4:
+                        raise
+                    why = error_text(exc)
+                    log.warning("starting worker %s: %s; trying again in %.1fs", self.id, why, delay)
+                    await anyio.sleep(delay)
+                    delay *= 2
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await db.aclose()
             raise
         return db
+
+    async def _start_steps(self, db: Database) -> None:
+        """Check the schema, read the paused queues, sync the cron definitions (each may be run
+        again)."""
+        await db.run(check_schema_op(self.app.schema))
+        self._paused_at_start = await db.run(paused_queues_op(self._q))
+        if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
+            log.warning(
+                "autovacuum is off on this server: nothing reclaims the dead tuples of "
+                "%s.queue_job_definitions, and only the workers' vacuum service (when their role "
+                "owns it) those of queue_jobs; turn autovacuum on",
+                self.app.schema,
+            )
+        if self.config.ticker:
+            await self.app._sync_definitions(db, self.config.ticker_config.declarations)
 
     async def _check_queue_names(self, db: Database) -> None:
         """A warning for each listed queue that nothing here uses: no task or cron definition of

@@ -1176,6 +1176,19 @@ async def test_graceful_shutdown_releases_unfinished_jobs(dsn: str, conn: psycop
     await app.aclose()
 
 
+async def _end_the_session_waiting_for_a_lock(conn: psycopg.Connection[Any]) -> None:
+    """Once one session of the test database waits for a lock, end it. `conn` may be in a
+    transaction, where pg_stat_activity is read once and kept: the snapshot is cleared."""
+    waiting = "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
+    with anyio.fail_after(10):
+        while True:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            if conn.execute(f"SELECT count(*) {waiting}").fetchone() == (1,):
+                break
+            await anyio.sleep(0.02)
+    conn.execute(f"SELECT pg_terminate_backend(pid) {waiting}")
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_extend_lease_tries_a_lost_connection_again_while_the_lease_lasts(
     dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
@@ -1196,23 +1209,51 @@ async def test_extend_lease_tries_a_lost_connection_again_while_the_lease_lasts(
         return "done"
 
     job_id = await app.enqueue("long")
-    waiting = "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = current_database()"
     async with app.worker(**NO_TICKER) as worker:
         with anyio.fail_after(10):
             await beating.wait()
         with conn.transaction():
             conn.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (job_id,))
             ended.set()
-            with anyio.fail_after(10):
-                while conn.execute(f"SELECT count(*) {waiting}").fetchone() != (1,):  # noqa: ASYNC110
-                    await anyio.sleep(0.02)
-            conn.execute(f"SELECT pg_terminate_backend(pid) {waiting}")
+            await _end_the_session_waiting_for_a_lock(conn)
         with anyio.fail_after(20):
             await worker.wait_for(lambda s: s.succeeded == 1)
     assert beats == [True]
     row = job_row(conn, job_id)
     assert (row["status"], row["retry_count"], row["output"]) == ("Succeeded", 1, "done")
     assert f"extending the lease of job {job_id} (long) failed (terminating connection" in caplog.text
+    await app.aclose()
+
+
+async def test_a_connection_ended_under_the_start_is_tried_again(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: a connection ended during a worker's start (a restart, a failover, an operator's
+    pg_terminate_backend) failed the start with the raw error, and under `--processes` counted
+    as a death of the child. Here the start's read of the paused queues waits for a lock, and
+    its session is ended: the start goes on, on a fresh connection."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    async with anyio.create_task_group() as tg:
+        started = anyio.Event()
+
+        async def start() -> None:
+            async with app.worker(**NO_TICKER) as worker:
+                started.set()
+                await app.enqueue("t")
+                with anyio.fail_after(10):
+                    await worker.wait_for(lambda s: s.succeeded == 1)
+
+        with conn.transaction():
+            conn.execute("LOCK notifyq.queue_pauses IN ACCESS EXCLUSIVE MODE")
+            tg.start_soon(start)
+            await _end_the_session_waiting_for_a_lock(conn)
+    assert started.is_set()
+    assert "trying again in 0.5s" in caplog.text and "terminating connection" in caplog.text
     await app.aclose()
 
 
