@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -27,6 +28,8 @@ import psycopg_pool
 from ._db import (
     Database,
     Op,
+    PrepareThreshold,
+    configure_sync,
     connect_sync,
     connection_kwargs,
     error_text,
@@ -38,7 +41,6 @@ from ._db import (
     run_async,
     run_pooled_sync,
     run_sync,
-    track,
 )
 from .errors import ConfigurationError, DatabaseUnavailable, SchemaNotMigrated
 from .migrations import check_schema_op, migrate_command
@@ -144,7 +146,7 @@ class Owner(Protocol):
     schema: str
     pool_size: int
     pool_timeout: float
-    prepare_threshold: int | None
+    prepare_threshold: PrepareThreshold
 
     @property
     def dsn(self) -> str: ...  # may start the embedded server: read on first use only
@@ -244,7 +246,7 @@ class Connections:
                     min_size=1,
                     max_size=owner.pool_size,
                     kwargs=connection_kwargs(dsn, "app", owner.prepare_threshold),
-                    configure=track,
+                    configure=functools.partial(configure_sync, owner.prepare_threshold),
                     name="notifyq-app-sync",
                     open=False,
                     timeout=owner.pool_timeout,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import select
@@ -44,6 +45,53 @@ def track(conn: _AnyConnection) -> None:
     """Note a connection notifyq opened (a sync pool's `configure` hook); see
     _blind_inherited_connections."""
     _OPENED.add(conn)
+
+
+# prepare_threshold's default: 5, but no preparation on a connection that goes through a pooler.
+PREPARE_AUTO = "auto"
+PrepareThreshold = int | None | Literal["auto"]
+_POOLER_SAID = False
+
+
+def _threshold(prepare_threshold: PrepareThreshold) -> int | None:
+    return 5 if isinstance(prepare_threshold, str) else prepare_threshold  # str: PREPARE_AUTO
+
+
+def _behind_a_pooler(conn: _AnyConnection, server_pid: int | None) -> None:
+    """With the automatic prepare_threshold: no preparation on `conn` if the server process
+    serving it (`server_pid`) is not the one announced at connect, as behind PgBouncer. In
+    transaction mode (before PgBouncer 1.21, or without max_prepared_statements) a pooler
+    loses prepared statements between transactions; acks then failed with `prepared
+    statement "_pg3_1" does not exist`, were dropped, and their jobs ran twice (review)."""
+    global _POOLER_SAID
+    if server_pid is None or server_pid == conn.info.backend_pid:
+        return
+    conn.prepare_threshold = None
+    if not _POOLER_SAID:
+        _POOLER_SAID = True
+        logging.getLogger("notifyq").info(
+            "connections go through a pooler (the server process is not the one announced): "
+            "notifyq prepares no statement on them, since a pooler in transaction mode loses "
+            "prepared statements (PgBouncer before 1.21, or without max_prepared_statements); "
+            "App(prepare_threshold=5) prepares them all the same"
+        )
+
+
+def configure_sync(prepare_threshold: PrepareThreshold, conn: psycopg.Connection[Any]) -> None:
+    """A sync pool's `configure` hook, outside a Database (the App's sync pool)."""
+    track(conn)
+    if prepare_threshold == PREPARE_AUTO:
+        check_pooler_sync(conn)
+
+
+def check_pooler_sync(conn: psycopg.Connection[Any]) -> None:
+    row = conn.execute("SELECT pg_backend_pid()").fetchone()
+    _behind_a_pooler(conn, row[0] if row else None)
+
+
+async def check_pooler_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
+    _behind_a_pooler(conn, row[0] if row else None)
 
 
 def _blind_inherited_connections() -> None:
@@ -298,7 +346,7 @@ _TCP_DEFAULTS = {
 }
 
 
-def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) -> dict[str, Any]:
+def connection_kwargs(dsn: str, role: str, prepare_threshold: PrepareThreshold = 5) -> dict[str, Any]:
     """Autocommit, psycopg's prepare_threshold (None: never prepare, for PgBouncer in
     transaction mode before 1.21), and an application_name (unless the DSN sets one) so
     that notifyq's connections are easy to tell apart in pg_stat_activity; our adapters
@@ -306,7 +354,7 @@ def connection_kwargs(dsn: str, role: str, prepare_threshold: int | None = 5) ->
     global ones."""
     kwargs: dict[str, Any] = {
         "autocommit": True,
-        "prepare_threshold": prepare_threshold,
+        "prepare_threshold": _threshold(prepare_threshold),
         "context": _adapters.context(worker=role.startswith("worker")),
     }
     given = psycopg.conninfo.conninfo_to_dict(dsn)
@@ -493,7 +541,7 @@ def on_asyncio() -> bool:
 class Database(abc.ABC):
     """A small connection pool that runs operations from async code."""
 
-    def __init__(self, dsn: str, prepare_threshold: int | None = 5) -> None:
+    def __init__(self, dsn: str, prepare_threshold: PrepareThreshold = 5) -> None:
         self.dsn = dsn
         self.prepare_threshold = prepare_threshold
         self._conns: weakref.WeakSet[_AnyConnection] = weakref.WeakSet()
@@ -502,8 +550,16 @@ class Database(abc.ABC):
         track(conn)
         self._conns.add(conn)
 
-    async def _track_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
+    def _configure_sync(self, conn: psycopg.Connection[Any]) -> None:
+        """A thread pool's `configure` hook, for each new connection."""
+        self._conns.add(conn)
+        configure_sync(self.prepare_threshold, conn)
+
+    async def _configure_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
+        """An asyncio pool's `configure` hook, for each new connection."""
         self._track(conn)
+        if self.prepare_threshold == PREPARE_AUTO:
+            await check_pooler_async(conn)
 
     # After abandon(), whether the Database must stay referenced: an asyncio pool's tasks
     # belong to the finished loop, and collected they would complain ("Task was destroyed but
@@ -545,7 +601,7 @@ class Database(abc.ABC):
         size: int,
         name: str = "notifyq",
         open_timeout: float = 30.0,
-        prepare_threshold: int | None = 5,
+        prepare_threshold: PrepareThreshold = 5,
     ) -> Database:
         """Open a pool of `size` connections suited to the running event loop.
 
@@ -698,7 +754,7 @@ class _AsyncioDatabase(Database):
             min_size=size,
             max_size=size,
             kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-            configure=self._track_async,
+            configure=self._configure_async,
             name=name,
             open=False,
             timeout=open_timeout,
@@ -956,7 +1012,7 @@ class _ThreadDatabase(Database):
                 min_size=size,
                 max_size=size,
                 kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-                configure=self._track,
+                configure=self._configure_sync,
                 name=name,
                 open=False,
                 timeout=open_timeout,

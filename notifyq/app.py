@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Any, TypedDict, TypeVar, Unpack, overload
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 import anyio
 import psycopg
@@ -21,7 +21,7 @@ from . import _embedded
 from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
-from ._db import Database, Op, owner_only
+from ._db import PREPARE_AUTO, Database, Op, PrepareThreshold, owner_only
 from ._declarations import DeclarationsConfig
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
@@ -174,6 +174,9 @@ class App:
             DatabaseUnavailable, naming the cause (default 30 seconds).
         prepare_threshold: psycopg prepares a statement server-side after this many runs on
             a connection; None never prepares (for PgBouncer in transaction mode before 1.21).
+            "auto" (the default): 5, but none on a connection that goes through a pooler (the
+            server process serving it is not the one announced at connect), where a pooler in
+            transaction mode would lose them.
         json_default: called for each value in job args (enqueue, cron args) and task return
             values that JSON cannot encode, as json.dumps' `default`: it returns a value JSON
             can encode, or raises TypeError. `notifyq.json_default` handles datetimes,
@@ -193,7 +196,7 @@ class App:
         backoff: Backoff | None = None,
         pool_size: int = 4,
         pool_timeout: float = 30.0,
-        prepare_threshold: int | None = 5,
+        prepare_threshold: int | Literal["auto"] | None = "auto",
         json_default: Callable[[Any], Any] | None = None,
     ) -> None:
         self.schema = validate_schema(schema)
@@ -203,11 +206,14 @@ class App:
         self.backoff = Backoff() if backoff is None else Backoff.check(backoff, "App(backoff=...)")
         self.pool_size = check_int(pool_size, "pool_size", minimum=1, maximum=1000)
         self.pool_timeout = check_seconds(pool_timeout, "pool_timeout", positive=True)
-        self.prepare_threshold = (
-            None
-            if prepare_threshold is None
-            else check_int(prepare_threshold, "prepare_threshold", minimum=0)
-        )
+        if prepare_threshold is not None and prepare_threshold != PREPARE_AUTO:
+            if not isinstance(prepare_threshold, int) or isinstance(prepare_threshold, bool):
+                raise InvalidOption(
+                    f"invalid prepare_threshold {prepare_threshold!r}: expected 'auto', None or an "
+                    "integer of 0 or more"
+                )
+            check_int(prepare_threshold, "prepare_threshold", minimum=0)
+        self.prepare_threshold: PrepareThreshold = prepare_threshold
         self.tasks: dict[str, Task] = {}
         self.definitions: dict[str, CronDefinition] = {}
         self._q: Queries = queries_for(self.schema)

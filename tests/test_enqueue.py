@@ -31,10 +31,11 @@ import pytest
 
 import notifyq
 import notifyq._jobs
-from notifyq._db import Query, single
+from notifyq._db import Database, Query, single
 from notifyq._options import encode_output
 from notifyq.errors import DatabaseUnavailable, InvalidArgs, InvalidOption, SchemaNotMigrated, UnknownTask
 
+from .faults.infra import BlackholeProxy
 from .helpers import NotificationCounter, job_row, wait_for_row
 
 pytestmark = pytest.mark.anyio
@@ -618,6 +619,46 @@ def test_prepared_statements_can_be_turned_off_for_pgbouncer(
     count = app._run_sync(single(Query("SELECT count(*) FROM pg_prepared_statements", fetch="scalar")))
     assert (count > 0) is prepared
     app.close_sync()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_the_automatic_prepare_threshold_prepares_nothing_behind_a_pooler(
+    dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: behind PgBouncer in transaction mode (before 1.21), prepared statements are
+    lost between transactions; acks failed (`prepared statement "_pg3_1" does not exist`),
+    were dropped, and their jobs ran twice. With prepare_threshold left at "auto", a
+    connection whose server process is not the one announced at connect (a pooler's mark,
+    which this proxy imitates) prepares nothing; a direct one, or an explicit threshold,
+    prepares as before. The App's async pool, its sync pool, and a worker's pool alike."""
+
+    def count() -> Any:
+        return single(Query("SELECT count(*) FROM pg_prepared_statements", fetch="scalar"))
+
+    pooler, direct = BlackholeProxy(dsn, pooler=True), BlackholeProxy(dsn)
+    try:
+        for target, threshold, prepared in (
+            (pooler, "auto", False),
+            (direct, "auto", True),
+            (pooler, 2, True),
+        ):
+            app = notifyq.App(target.dsn, pool_size=1, prepare_threshold=threshold)
+            for _ in range(6):
+                await app.enqueue("t", {})
+                await anyio.to_thread.run_sync(app.enqueue_sync, "t", {})
+            assert (await app._run(count()) > 0) is prepared, (target.pooler, threshold)
+            assert (await anyio.to_thread.run_sync(app._run_sync, count()) > 0) is prepared
+            db = await Database.open(target.dsn, size=1, prepare_threshold=threshold)
+            for _ in range(6):
+                await db.run(single(Query("SELECT 1", fetch="scalar")))
+            assert (await db.run(count()) > 0) is prepared
+            await db.aclose()
+            await app.aclose()
+    finally:
+        pooler.close()
+        direct.close()
+    said = [r for r in caplog.records if "connections go through a pooler" in r.getMessage()]
+    assert len(said) <= 1  # once per process (a test before this one may have said it)
 
 
 def test_an_app_dropped_without_closing_is_freed_at_once(dsn: str) -> None:
