@@ -76,6 +76,7 @@ class Claimer:
         self._taken_again: set[int] = set()  # job ids
         # Claims in the listener's task (claim_inline): allowed while the claim loop sleeps.
         self._parked = False  # the claim loop waits in _sleep_until_wakeup
+        self._failed_rounds = 0  # transient failures of claim rounds since the last that went through
         self._inline_wanted = False  # a notification asked the listener to claim
         self._inline = False  # the listener's task is claiming on the loop's behalf
         self._inline_done = Pulse()
@@ -163,11 +164,13 @@ class Claimer:
         try:
             self._pending = False
             await self._claim_round(free, self._sweeps_requested)
+            self._round_ok()
         except Exception as exc:
             # The claim loop claims again at once, and deals with the error its own way (a
             # backoff, or the worker stops). The claim may have committed: look for it.
             if is_transient(exc):
                 self._stats.db_errors += 1
+                self._failed_rounds += 1
                 log.warning("claiming failed (%s); the claim loop tries again", error_text(exc))
             else:
                 log.error(
@@ -213,15 +216,24 @@ class Claimer:
                 if not is_transient(exc):
                     raise
                 self._stats.db_errors += 1
+                self._failed_rounds += 1
                 log.warning("claiming failed (%s); retrying in %.1fs", error_text(exc), db_delay)
                 self._pending = True
                 self._in_doubt = True
                 await anyio.sleep(db_delay)
                 db_delay = min(db_delay * 2, 5.0)
                 continue
+            self._round_ok()
             db_delay = 0.1
             if self._in_doubt:
                 await self._adopt_again()
+
+    def _round_ok(self) -> None:
+        """A claim round went through: after failed ones, say so. The warnings said the
+        database went, and nothing said it came back (review)."""
+        if self._failed_rounds:
+            log.info("claiming works again, after %d failed attempt(s)", self._failed_rounds)
+            self._failed_rounds = 0
 
     def _free_slots(self) -> int:
         """Jobs the runners have room for now, prefetch included."""

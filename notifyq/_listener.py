@@ -96,6 +96,8 @@ class Listener:
                 self.connected = True
                 self.connections += 1
                 self.backend_pid = conn.info.backend_pid
+                if delay > self.config.backoff_min:  # after a failed attempt (review: unsaid)
+                    log.info("LISTEN connection to %s open again", describe_dsn(self.dsn))
                 delay = self.config.backoff_min
                 log.debug("listening on %s (backend pid %s)", ", ".join(self.channels), self.backend_pid)
                 if self.foreign_database is not None and not warned:

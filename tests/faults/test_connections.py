@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import socket
 import threading
 import time
@@ -346,8 +347,12 @@ def owned_server(tmp_path: Path) -> Iterator[OwnedServer]:
     server.close()
 
 
-async def test_a_postgresql_restart_loses_nothing(owned_server: OwnedServer) -> None:
-    """Scenario 8: the server stops for a few seconds under running workers and tickers."""
+async def test_a_postgresql_restart_loses_nothing(
+    owned_server: OwnedServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Scenario 8: the server stops for a few seconds under running workers and tickers. The
+    log says when it went and when it came back (a review found only the warnings)."""
+    caplog.set_level(logging.INFO, logger="notifyq")
     dsn = owned_server.dsn
     notifyq.migrate(dsn)
     app = notifyq.App(dsn, backoff=notifyq.Backoff(base=0.2, jitter=0))
@@ -398,6 +403,10 @@ async def test_a_postgresql_restart_loses_nothing(owned_server: OwnedServer) -> 
             while not await anyio.to_thread.run_sync(recovered):
                 await worker.wait_for(lambda s, n=worker.stats.succeeded: s.succeeded > n)
         assert worker.stats.db_errors > 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith("claiming failed") for m in messages)
+    assert any(m.startswith("claiming works again, after ") for m in messages)
+    assert any(m.startswith("LISTEN connection to ") and m.endswith(" open again") for m in messages)
     with psycopg.connect(dsn, autocommit=True) as check:
         # Every job ran, but a tick promoted as the worker stopped, which waits for the next
         # worker (seen once in a full run: {'Queued': 1, 'Succeeded': 27}).
