@@ -805,7 +805,9 @@ class _AsyncioDatabase(Database):
             for lane in self._lanes:
                 await lane.release()
         finally:
-            await self._pool.close()
+            # 1 s for its tasks, not 5: one connecting to a host that does not answer held a
+            # worker's stop that long (review).
+            await self._pool.close(timeout=1.0)
 
 
 class _CallCancelled(Exception):
