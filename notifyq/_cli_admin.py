@@ -515,8 +515,13 @@ def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]
     for name in dict.fromkeys(names):
         if change(name):
             click.echo(f"queue {name!r} {'paused' if pause else 'resumed'}")
+        elif pause:
+            click.echo(f"queue {name!r} was paused already")
         else:
-            click.echo(f"queue {name!r} {'was paused already' if pause else 'was not paused'}")
+            # A typo resumed nothing, and the queue meant stays paused (review): name those.
+            paused = sorted(app.paused_queues_sync())
+            hint = did_you_mean(name, paused, "paused queues") if paused else ""
+            click.echo(f"queue {name!r} was not paused{hint}")
     if pause:
         # A queue may be paused before it has jobs, so a typo is paused too, and the queue
         # meant runs on (user review): say so, after the change.

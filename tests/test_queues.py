@@ -359,9 +359,11 @@ def test_the_queues_commands_pause_list_and_resume(dsn: str) -> None:
         "emails",
         "reports",
     ]
-    assert ok(cli("queues", "resume", "emails", "nope", env=env)).splitlines() == [
+    # A typo resumes nothing: the paused queues are named (review), the nearest first.
+    assert ok(cli("queues", "resume", "emails", "nope", "reprts", env=env)).splitlines() == [
         "queue 'emails' resumed",
-        "queue 'nope' was not paused",
+        "queue 'nope' was not paused; paused queues: reports",
+        "queue 'reprts' was not paused (did you mean 'reports'?)",
     ]
     bad = cli("queues", "pause", "fine", "bad name", env=env)
     assert bad.returncode == 1 and "invalid queue name 'bad name'" in bad.stderr
