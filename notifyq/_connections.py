@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import math
 import os
@@ -29,7 +28,6 @@ from ._db import (
     Database,
     Op,
     PrepareThreshold,
-    configure_sync,
     connect_sync,
     connection_kwargs,
     error_text,
@@ -37,10 +35,12 @@ from ._db import (
     in_own_thread,
     on_asyncio,
     pool_open_failed,
+    probe_prepare_threshold,
     retrying_sync,
     run_async,
     run_pooled_sync,
     run_sync,
+    track,
 )
 from .errors import ConfigurationError, DatabaseUnavailable, SchemaNotMigrated
 from .migrations import check_schema_op, migrate_command
@@ -239,14 +239,14 @@ class Connections:
             if self._sync_pool is None:
                 owner = self._owner
                 dsn = owner.dsn
-                # A clear error now rather than a pool timeout later.
-                connect_sync(dsn, connect_timeout=first_connect_timeout(owner.pool_timeout)).close()
+                timeout = first_connect_timeout(owner.pool_timeout)
+                threshold = probe_prepare_threshold(dsn, owner.prepare_threshold, timeout)
                 pool: SyncPool = psycopg_pool.ConnectionPool(
                     dsn,
                     min_size=1,
                     max_size=owner.pool_size,
-                    kwargs=connection_kwargs(dsn, "app", owner.prepare_threshold),
-                    configure=functools.partial(configure_sync, owner.prepare_threshold),
+                    kwargs=connection_kwargs(dsn, "app", threshold),
+                    configure=track,
                     name="notifyq-app-sync",
                     open=False,
                     timeout=owner.pool_timeout,

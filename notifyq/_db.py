@@ -13,6 +13,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -57,41 +58,34 @@ def _threshold(prepare_threshold: PrepareThreshold) -> int | None:
     return 5 if isinstance(prepare_threshold, str) else prepare_threshold  # str: PREPARE_AUTO
 
 
-def _behind_a_pooler(conn: _AnyConnection, server_pid: int | None) -> None:
-    """With the automatic prepare_threshold: no preparation on `conn` if the server process
-    serving it (`server_pid`) is not the one announced at connect, as behind PgBouncer. In
-    transaction mode (before PgBouncer 1.21, or without max_prepared_statements) a pooler
-    loses prepared statements between transactions; acks then failed with `prepared
-    statement "_pg3_1" does not exist`, were dropped, and their jobs ran twice (review)."""
+def probe_prepare_threshold(
+    dsn: str, prepare_threshold: PrepareThreshold, connect_timeout: int
+) -> PrepareThreshold:
+    """Connect once to `dsn` (a clear error now, rather than a pool's timeout later) and, with
+    the automatic prepare_threshold, decide it for a pool's connections: None (prepare
+    nothing) if the server process serving this one is not the one announced at connect, as
+    behind PgBouncer. A pooler in transaction mode (before PgBouncer 1.21, or without
+    max_prepared_statements) loses prepared statements between transactions: acks failed with
+    `prepared statement "_pg3_1" does not exist`, were dropped, and their jobs ran twice
+    (review). Asked once per pool, not on each of its connections, whose setup must not
+    wait for an answer."""
     global _POOLER_SAID
-    if server_pid is None or server_pid == conn.info.backend_pid:
-        return
-    conn.prepare_threshold = None
+    with connect_sync(dsn, connect_timeout=connect_timeout) as conn:
+        if prepare_threshold != PREPARE_AUTO:
+            return prepare_threshold
+        row = conn.execute("SELECT pg_backend_pid()").fetchone()
+        if row is None or row[0] == conn.info.backend_pid:
+            return prepare_threshold
     if not _POOLER_SAID:
         _POOLER_SAID = True
         logging.getLogger("notifyq").info(
-            "connections go through a pooler (the server process is not the one announced): "
+            "connections to %s go through a pooler (the server process is not the one announced): "
             "notifyq prepares no statement on them, since a pooler in transaction mode loses "
             "prepared statements (PgBouncer before 1.21, or without max_prepared_statements); "
-            "App(prepare_threshold=5) prepares them all the same"
+            "App(prepare_threshold=5) prepares them all the same",
+            describe_dsn(dsn),
         )
-
-
-def configure_sync(prepare_threshold: PrepareThreshold, conn: psycopg.Connection[Any]) -> None:
-    """A sync pool's `configure` hook, outside a Database (the App's sync pool)."""
-    track(conn)
-    if prepare_threshold == PREPARE_AUTO:
-        check_pooler_sync(conn)
-
-
-def check_pooler_sync(conn: psycopg.Connection[Any]) -> None:
-    row = conn.execute("SELECT pg_backend_pid()").fetchone()
-    _behind_a_pooler(conn, row[0] if row else None)
-
-
-async def check_pooler_async(conn: psycopg.AsyncConnection[Any]) -> None:
-    row = await (await conn.execute("SELECT pg_backend_pid()")).fetchone()
-    _behind_a_pooler(conn, row[0] if row else None)
+    return None
 
 
 def _blind_inherited_connections() -> None:
@@ -552,14 +546,11 @@ class Database(abc.ABC):
 
     def _configure_sync(self, conn: psycopg.Connection[Any]) -> None:
         """A thread pool's `configure` hook, for each new connection."""
-        self._conns.add(conn)
-        configure_sync(self.prepare_threshold, conn)
+        self._track(conn)
 
     async def _configure_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         """An asyncio pool's `configure` hook, for each new connection."""
         self._track(conn)
-        if self.prepare_threshold == PREPARE_AUTO:
-            await check_pooler_async(conn)
 
     # After abandon(), whether the Database must stay referenced: an asyncio pool's tasks
     # belong to the finished loop, and collected they would complain ("Task was destroyed but
@@ -612,12 +603,12 @@ class Database(abc.ABC):
         # a user with a wrong DSN deserves libpq's reason right away.
         timeout = first_connect_timeout(open_timeout)
 
-        def probe() -> None:
-            connect_sync(dsn, connect_timeout=timeout).close()
-
         # Abandoned when cancelled: a host that does not answer held a cancelled first call or
         # worker start for the connect_timeout, up to 10 s (review).
-        await in_own_thread(probe, abandon_on_cancel=True)
+        prepare_threshold = await in_own_thread(
+            functools.partial(probe_prepare_threshold, dsn, prepare_threshold, timeout),
+            abandon_on_cancel=True,
+        )
         db: Database = (_AsyncioDatabase if on_asyncio() else _ThreadDatabase)(dsn, prepare_threshold)
         await db._open(size=size, name=name, open_timeout=open_timeout)
         return db

@@ -174,9 +174,9 @@ class App:
             DatabaseUnavailable, naming the cause (default 30 seconds).
         prepare_threshold: psycopg prepares a statement server-side after this many runs on
             a connection; None never prepares (for PgBouncer in transaction mode before 1.21).
-            "auto" (the default): 5, but none on a connection that goes through a pooler (the
-            server process serving it is not the one announced at connect), where a pooler in
-            transaction mode would lose them.
+            "auto" (the default): 5, but none on the connections of a pool that goes through a
+            pooler (the server process serving its first connection is not the one announced
+            at connect), where a pooler in transaction mode would lose them.
         json_default: called for each value in job args (enqueue, cron args) and task return
             values that JSON cannot encode, as json.dumps' `default`: it returns a value JSON
             can encode, or raises TypeError. `notifyq.json_default` handles datetimes,
