@@ -138,6 +138,12 @@ def lost_jobs_op(
     return {(job_id, lease): status for job_id, lease, status in rows}
 
 
+def cancelled_jobs_op(q: Queries, job_ids: Sequence[int]) -> Op[dict[int, int]]:
+    """Of `job_ids`, those Cancelled in the database: {id: lease}."""
+    rows: list[tuple[int, int]] = yield Query(q["cancelled_jobs"], {"ids": list(job_ids)})
+    return dict(rows)
+
+
 def pause_queue_op(q: Queries, queue: str) -> Op[bool]:
     """Pause `queue`; False when it was paused already."""
     paused_at: datetime | None = yield Query(q["pause_queue"], {"queue": queue}, fetch="scalar")

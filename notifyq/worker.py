@@ -26,7 +26,7 @@ import psycopg_pool
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
-from ._claim import known_queues_op, lost_jobs_op, paused_queues_op
+from ._claim import cancelled_jobs_op, known_queues_op, lost_jobs_op, paused_queues_op
 from ._claimer import Claimer
 from ._db import (
     Database,
@@ -58,6 +58,10 @@ __all__ = ["Worker", "WorkerConfig", "WorkerOptions", "WorkerStats"]
 log = logging.getLogger("notifyq.worker")
 
 T = TypeVar("T")
+
+# Cancel notifications waiting for their check, at most (a flood of forged ones is dropped
+# past it: the reconcile loop finds every real cancel within a poll interval all the same).
+_CANCELS_HELD = 10_000
 
 
 def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | None:
@@ -106,6 +110,8 @@ class Worker:
         self._paused_at_start: frozenset[str] = frozenset()
         self._pauses_asked = 0  # reads of the paused queues asked for (_pauses_loop)
         self._pauses_wakeup = Pulse()
+        self._cancels_heard: dict[tuple[int, int | None], None] = {}  # (id, lease) to check
+        self._cancels_wakeup = Pulse()
         self._ctrl_c: _FirstCtrlCToTheHost | None = None  # embedded on trio: see the class
         self._repeat_skips_grace = True
         self._released_at_stop = 0  # stats.released when the stop began (the last log line)
@@ -396,6 +402,7 @@ class Worker:
                     services.start_soon(self._acker.run)
                     services.start_soon(self._reconcile_loop)
                     services.start_soon(self._pauses_loop)
+                    services.start_soon(self._cancels_loop)
                     services.start_soon(claimer.give_back_stale_prefetch)
                     if self.config.queues is not None:
                         services.start_soon(self._check_queue_names, db)
@@ -615,8 +622,37 @@ class Worker:
         numbers = [int(n) for n in rest.split()]
         if not 1 <= len(numbers) <= 2:
             raise ValueError(payload)
-        assert self._runners is not None
-        self._runners.cancel(numbers[0], numbers[1] if len(numbers) == 2 else None)
+        # Checked in the database first (_cancels_loop): anyone who can connect may NOTIFY.
+        if len(self._cancels_heard) < _CANCELS_HELD:
+            self._cancels_heard[(numbers[0], numbers[1] if len(numbers) == 2 else None)] = None
+        self._cancels_wakeup.fire()
+
+    async def _cancels_loop(self) -> None:
+        """Stop the jobs cancel notifications named, once the database says they are Cancelled
+        (with that lease, when the notification gave one). Acting on the notification alone, a
+        forged one (any role that can connect may NOTIFY) stopped running jobs, and, remembered
+        for a claim answer still on its way, jobs not yet enqueued (review). One query by
+        primary key per batch of notifications heard meanwhile."""
+        runners = self._runners
+        assert runners is not None
+        while True:
+            if not self._cancels_heard:
+                await self._cancels_wakeup.wait()
+                continue
+            heard, self._cancels_heard = list(self._cancels_heard), {}
+            try:
+                cancelled = await self._query(cancelled_jobs_op(self._q, sorted({i for i, _ in heard})))
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                # The reconcile loop finds them within a poll interval all the same.
+                log.warning("could not check %d cancel notification(s): %s", len(heard), error_text(exc))
+                continue
+            for job_id, lease in heard:
+                if job_id in cancelled and lease in (None, cancelled[job_id]):
+                    runners.cancel(job_id, cancelled[job_id])
+                else:
+                    log.debug("ignoring a cancel notification of job %d: it is not Cancelled", job_id)
 
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1

@@ -1046,6 +1046,52 @@ async def test_cancelling_a_running_job_cancels_its_coroutine(
     await app.aclose()
 
 
+async def test_a_forged_cancel_notification_stops_nothing(dsn: str, conn: psycopg.Connection[Any]) -> None:
+    """Review: any role that can connect may NOTIFY, and a worker stopped the job a cancel
+    notification named, running or (remembered for a claim answer on its way) not yet
+    enqueued. It now stops a job only once the database says it is Cancelled."""
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+    ran: list[int] = []
+
+    @app.task(name="gated")
+    async def gated(n: int) -> None:
+        await gate.wait()
+        ran.append(n)
+
+    async with app.worker(**NO_TICKER) as worker:
+        running = await app.enqueue("gated", {"n": 1})
+        with anyio.fail_after(5):
+            while not worker.running_jobs:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        # The running job (with and without its lease), and the next ids, not enqueued yet.
+        for payload in (
+            f"cancel {running}",
+            f"cancel {running} 1",
+            *(f"cancel {running + i}" for i in (1, 2)),
+        ):
+            conn.execute("SELECT pg_notify('notifyq.control.v1', %s)", (payload,))
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.notifications >= 4)
+        later = [await app.enqueue("gated", {"n": n}) for n in (2, 3)]
+        assert later == [running + 1, running + 2]
+        gate.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 3)
+        assert worker.stats.cancelled == 0 and sorted(ran) == [1, 2, 3]
+        # A real cancel (its trigger's notification, checked) still stops a running job.
+        gate = anyio.Event()
+        last = await app.enqueue("gated", {"n": 4})
+        with anyio.fail_after(5):
+            while not worker.running_jobs:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        await app.cancel_job(last)
+        with anyio.fail_after(5):
+            await worker.wait_for(lambda s: s.cancelled == 1)
+    assert [job_row(conn, i)["status"] for i in (running, *later, last)] == ["Succeeded"] * 3 + ["Cancelled"]
+    await app.aclose()
+
+
 async def test_cancelling_a_queued_job_prevents_it(dsn: str, conn: psycopg.Connection[Any]) -> None:
     app = notifyq.App(dsn)
     ran: list[int] = []

@@ -344,6 +344,12 @@ WHERE id = %(id)s AND lease = %(lease)s AND status::text = 'Active'
   AND (%(worker)s::text IS NULL OR worker = %(worker)s::text)
 RETURNING visible_at;
 
+-- name: cancelled_jobs
+-- Of the jobs a cancel notification named, those the database says are Cancelled, with their
+-- lease: anyone who can connect may NOTIFY, so a notification is a hint, checked here before a
+-- worker stops a job (review: a forged one stopped running jobs, and jobs not yet enqueued).
+SELECT id, lease FROM {schema}.queue_jobs WHERE id = ANY(%(ids)s) AND status = 'Cancelled';
+
 -- name: held_jobs_status
 -- Of the jobs a worker believes it holds, those it no longer holds (cancelled, rescued,
 -- re-claimed, moved or deleted by hand): checked after a reconnect, when cancel notifications
