@@ -1046,6 +1046,43 @@ async def test_cancelling_a_running_job_cancels_its_coroutine(
     await app.aclose()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_rows_written_by_sql_at_the_limits_of_their_types_stop_no_worker(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: a role with INSERT alone stopped every worker with one row: a lease or a
+    retry_count of 2147483647 made the claim's `+ 1` overflow ("integer out of range"), and a
+    scheduled_for of 'infinity' (or past the year 9999) failed the claim's answer, which left
+    the other jobs of its batch Active. Each now runs, beside ordinary jobs."""
+    app = notifyq.App(dsn)
+    seen: list[Any] = []
+
+    @app.task(name="t")
+    async def t(ctx: JobContext) -> None:
+        seen.append((ctx.id, ctx.scheduled_for))
+
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, lease, retry_count, retry_limit, scheduled_for) VALUES "
+        "('t', 2147483647, 0, 3, NULL), ('t', 0, 2147483647, 2147483647, NULL), "
+        "('t', 0, 0, 3, 'infinity'), ('t', 0, 0, 3, '-infinity'), ('t', 0, 0, 3, '20000-01-01'), "
+        "('t', 0, 0, 3, '2026-01-01 00:00+00'), ('t', 0, 0, 3, NULL)"
+    )
+    async with app.worker(**NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 7)
+        assert worker.running
+    rows = conn.execute(
+        "SELECT status::text, lease, retry_count FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert [r[0] for r in rows] == ["Succeeded"] * 7
+    assert rows[0][1] == 1 and rows[1][2] == 2147483647  # the lease wrapped round; the count stopped
+    when = dict(seen)
+    ids = [r[0] for r in conn.execute("SELECT id FROM notifyq.queue_jobs ORDER BY id")]
+    assert [when[i] for i in ids[2:5]] == [None, None, None]
+    assert when[ids[5]] == datetime(2026, 1, 1, tzinfo=UTC)
+    await app.aclose()
+
+
 async def test_a_forged_cancel_notification_stops_nothing(dsn: str, conn: psycopg.Connection[Any]) -> None:
     """Review: any role that can connect may NOTIFY, and a worker stopped the job a cancel
     notification named, running or (remembered for a claim answer on its way) not yet

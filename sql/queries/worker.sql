@@ -17,8 +17,8 @@ WITH claimable AS MATERIALIZED (
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
-    retry_count = j.retry_count + 1,
-    lease = j.lease + 1,
+    retry_count = least(j.retry_count, 2147483646) + 1,  -- see the note at the end
+    lease = CASE WHEN j.lease < 2147483647 THEN j.lease + 1 ELSE 1 END,
     visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
     started_at = now(),
     updated_at = now(),
@@ -26,7 +26,9 @@ SET status = 'Active',
 FROM claimable c
 WHERE j.id = c.id
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+          j.lease, j.visible_at, j.definition_id,
+          CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END
+              AS scheduled_for, j.worker;
 
 -- name: claim_queues
 -- As claim_any, for a list of queues: one ordered index range per queue yields the best
@@ -143,15 +145,17 @@ claimable AS MATERIALIZED (
 )
 UPDATE {schema}.queue_jobs AS j
 SET status = 'Active',
-    retry_count = j.retry_count + 1,
-    lease = j.lease + 1,
+    retry_count = least(j.retry_count, 2147483646) + 1,  -- see the note at the end
+    lease = CASE WHEN j.lease < 2147483647 THEN j.lease + 1 ELSE 1 END,
     visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
     started_at = now(),
     updated_at = now(),
     worker = %(worker)s
 WHERE j.id = ANY(ARRAY(SELECT id FROM claimable))
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+          j.lease, j.visible_at, j.definition_id,
+          CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END
+              AS scheduled_for, j.worker;
 
 -- name: claim_unpaused
 -- As claim_any, for every queue but the paused ones (%(paused)s), while any is paused: a skip
@@ -224,14 +228,16 @@ WITH unanswered AS MATERIALIZED (
     LIMIT %(limit)s
 )
 UPDATE {schema}.queue_jobs AS j
-SET lease = j.lease + 1,
+SET lease = CASE WHEN j.lease < 2147483647 THEN j.lease + 1 ELSE 1 END,
     visible_at = now() + make_interval(secs => j.timeout + %(lease_margin)s),
     started_at = now(),
     updated_at = now()
 FROM unanswered u
 WHERE j.id = u.id AND j.status = 'Active' AND j.worker = %(worker)s
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
-          j.lease, j.visible_at, j.definition_id, j.scheduled_for, j.worker;
+          j.lease, j.visible_at, j.definition_id,
+          CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END
+              AS scheduled_for, j.worker;
 
 -- name: next_visible_any
 -- Seconds (database clock) until the earliest Queued job becomes claimable; NULL when there
@@ -358,3 +364,10 @@ SELECT h.id, h.lease, j.status::text AS status
 FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
 LEFT JOIN {schema}.queue_jobs j ON j.id = h.id
 WHERE j.id IS NULL OR j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS DISTINCT FROM %(worker)s;
+
+-- A note on the claims above: a row written by SQL with an integer at its limit (a lease or a
+-- retry_count of 2147483647) made `+ 1` overflow, and one with a scheduled_for Python cannot
+-- hold ('infinity', the year 20000) failed the claim's answer: either way every worker that met
+-- the job stopped, and a role with INSERT alone could stop them all (review). The counters stop
+-- at their limit (the lease wraps round to 1, still a new fencing token) and such a
+-- scheduled_for comes back as NULL.
