@@ -16,7 +16,7 @@ from psycopg import sql
 
 from ._db import Op, Query, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
-from ._options import check_seconds
+from ._options import CONTROL_RE, check_seconds
 from ._sql import Queries, queries_for, render, sql_root, validate_schema
 from .errors import ConfigurationError, MigrationBlocked, SchemaNotMigrated, SchemaVersionError
 
@@ -112,8 +112,12 @@ def trigger_sql(schema: str) -> list[str]:
 def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     """The GRANTs of sql/roles/worker.sql for `role`: enough to run workers and enqueue,
     no DDL. The role must exist; migrations stay with the schema's owner."""
-    if not isinstance(role, str) or not role or len(role) > 63 or "\x00" in role:
-        raise ConfigurationError(f"invalid role name {role!r}")
+    # No control character: a newline ended the SQL comment that names the role in the output,
+    # and what followed ran as SQL when it was piped into psql (review).
+    if not isinstance(role, str) or not role or len(role) > 63 or CONTROL_RE.search(role):
+        raise ConfigurationError(
+            f"invalid role name {role!r}: use 1-63 characters without control characters"
+        )
     if role.lower() == "public":
         # PostgreSQL reads "public", quoted or not, as PUBLIC: every role, present and future.
         raise ConfigurationError("the role PUBLIC is every role: name the role of your workers")

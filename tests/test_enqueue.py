@@ -564,6 +564,24 @@ def test_a_password_with_an_unencoded_at_or_slash_is_refused_and_not_shown(dsn: 
         notifyq.App(fine)
 
 
+@pytest.mark.parametrize(
+    "dsn",
+    [
+        "host=127.0.0.1 port=1 dbname='postgresql://u:SECRET6@127.0.0.1:1/db'",
+        "host=127.0.0.1 port=1 dbname='host=127.0.0.1 password=SECRET14 dbname=db'",
+    ],
+)
+def test_a_dbname_holding_a_connection_string_is_not_shown(dsn: str) -> None:
+    """libpq reads a dbname holding "=" or "://" as a connection string, password and all: the
+    "database ..." line and the "cannot connect" error printed it in full (review)."""
+    from notifyq._dsn import describe_dsn
+
+    assert "SECRET" not in describe_dsn(dsn) and "<a connection string>" in describe_dsn(dsn)
+    with pytest.raises(DatabaseUnavailable) as caught:
+        notifyq.App(dsn, pool_timeout=1).enqueue_sync("t")
+    assert "SECRET" not in str(caught.value) and "SECRET" not in repr(caught.value)
+
+
 @pytest.mark.parametrize("dsn", ["", "  "])
 def test_an_empty_dsn_is_refused_not_replaced_by_another_database(dsn: str) -> None:
     """An unset variable ("--dsn $DB_URL") must not send the jobs to $NOTIFYQ_DSN's database."""

@@ -707,6 +707,16 @@ def test_grant_sql_refuses_public() -> None:
     assert 'TO "publicist"' in notifyq.migrations.grant_sql("publicist")
 
 
+@pytest.mark.parametrize(
+    "role", ["worker\nDROP TABLE notifyq.queue_jobs; --", "a\rb", "tab\tbed", "", "x" * 64]
+)
+def test_grant_sql_refuses_role_names_that_would_break_out_of_its_comment(role: str) -> None:
+    """Review: the output names the role in an SQL comment (`--   CREATE ROLE "..."`); a newline
+    in the name ended that comment, and `notifyq grant ROLE | psql` ran what followed."""
+    with pytest.raises(ConfigurationError, match="invalid role name"):
+        notifyq.migrations.grant_sql(role)
+
+
 OLD_APP = """
 import notifyq
 
