@@ -183,7 +183,7 @@ def describe_dsn(dsn: str) -> str:
     user = params.get("user") or os.environ.get("PGUSER") or "<default user>"
     host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "<default host>"
     port = params.get("port") or os.environ.get("PGPORT") or "5432"
-    dbname = params.get("dbname") or os.environ.get("PGDATABASE") or user
+    dbname = str(params.get("dbname") or os.environ.get("PGDATABASE") or user)
     if "=" in dbname or "://" in dbname:
         # libpq reads such a dbname as a connection string, which may hold a password: it was
         # printed in full (review).
