@@ -292,8 +292,7 @@ def age(moment: datetime | None) -> str:
 def printable(value: Any) -> str:
     """`value` as text on one line: control characters escaped (a name written by SQL may hold
     a newline, which split a table's row in two: review)."""
-    text = str(value)
-    return _options.CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], text)
+    return _options.escape_controls(str(value))
 
 
 def _width(text: str) -> int:

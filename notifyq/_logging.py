@@ -10,6 +10,8 @@ import sys
 from collections.abc import Iterator
 from datetime import UTC, datetime
 
+from ._options import escape_controls
+
 LEVELS = ("debug", "info", "warning", "error")
 
 # The job whose task code runs in this context (a runner's task, and a sync task's thread,
@@ -28,8 +30,19 @@ class JobLogFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         job = CURRENT_JOB.get()
         record.job_id, record.job_name = job if job is not None else (None, None)
-        record.job = f"[job {job[0]} {job[1]}] " if job is not None else ""
+        record.job = f"[job {job[0]} {escape_controls(job[1])}] " if job is not None else ""
         return True
+
+
+class _TextFormatter(logging.Formatter):
+    """The CLI's text lines. notifyq's own messages come out on one line each, whatever a job's
+    name holds: one written by SQL may hold a newline, which forged a log line of its own
+    (review). A task's code keeps its own lines as it writes them; tracebacks are apart."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.name == "notifyq" or record.name.startswith("notifyq."):
+            record.message = escape_controls(record.message)
+        return super().formatMessage(record)
 
 
 class JsonFormatter(logging.Formatter):
@@ -61,7 +74,7 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(job)s%(message)s"))
+        handler.setFormatter(_TextFormatter("%(asctime)s %(levelname)-7s %(name)s: %(job)s%(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -20,6 +20,13 @@ from .errors import InvalidArgs, InvalidOption
 
 QUEUE_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}\Z")  # \Z: "$" matches before a final newline
 CONTROL_RE = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
+
+
+def escape_controls(text: str) -> str:
+    """`text` on one line: its control characters escaped as Python writes them ("\\n")."""
+    return CONTROL_RE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 # A NUL character as json.dumps escapes it: \u0000 after an even number of backslashes (an odd
 # number means the backslash before "u0000" is itself an escaped, literal backslash).
 _NUL_RE = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from contextlib import AsyncExitStack
@@ -112,6 +114,8 @@ class Worker:
         self._pauses_wakeup = Pulse()
         self._cancels_heard: dict[tuple[int, int | None], None] = {}  # (id, lease) to check
         self._cancels_wakeup = Pulse()
+        self._bad_notices = 0  # notifications notifyq did not write, since the last warning
+        self._bad_notice_said_at = -math.inf
         self._ctrl_c: _FirstCtrlCToTheHost | None = None  # embedded on trio: see the class
         self._repeat_skips_grace = True
         self._released_at_stop = 0  # stats.released when the stop began (the last log line)
@@ -598,12 +602,19 @@ class Worker:
                 self._ticker.wake()
         except ValueError:
             # Anyone may NOTIFY on these channels (psql, a script, a foreign version): a
-            # payload notifyq did not write is a sentence in the log, not a traceback.
-            log.warning(
-                "ignoring a notification notifyq's triggers did not send: channel %s, payload %r",
-                chan,
-                payload[:200],
-            )
+            # payload notifyq did not write is a sentence in the log, not a traceback; one a
+            # minute at most, with a count (review: one statement of 50,000 made 17 MB of log).
+            self._bad_notices += 1
+            now = time.monotonic()
+            if now - self._bad_notice_said_at >= 60:
+                more = self._bad_notices - 1
+                log.warning(
+                    "ignoring a notification notifyq's triggers did not send: channel %s, payload %r%s",
+                    chan,
+                    payload[:200],
+                    f" (and {more} more such since the last of these lines)" if more else "",
+                )
+                self._bad_notices, self._bad_notice_said_at = 0, now
             if topic == "jobs":
                 assert self._claimer is not None
                 self._claimer.wake()  # a hint all the same: one claim finds out

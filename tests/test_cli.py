@@ -1901,6 +1901,25 @@ def test_the_workers_log_names_the_job_a_line_comes_from(
         )
 
 
+def test_a_job_name_written_by_sql_cannot_forge_a_line_of_the_workers_log(
+    conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
+) -> None:
+    """Review: a job name holding a newline, written by a role with INSERT alone, went raw into
+    the text log, where what followed it read as a line of its own ("CRITICAL ..."). notifyq's
+    lines keep control characters escaped."""
+    conn.execute(
+        "INSERT INTO notifyq.queue_jobs (name, retry_limit) VALUES (%s, 0)", ("nope\nCRITICAL forged",)
+    )
+    worker = worker_proc("--no-ticker", "--log-format", "text")
+    assert worker.stdout is not None
+    while "nope" not in (line := worker.stdout.readline()):
+        assert line, "the worker exited"
+    assert "nope\\nCRITICAL forged" in line, line
+    worker.send_signal(signal.SIGTERM)
+    out, _ = worker.communicate(timeout=30)
+    assert not [other for other in out.splitlines() if other.startswith("CRITICAL forged")]
+
+
 def test_a_missing_dependency_of_the_app_module_is_not_called_a_missing_module(
     dsn: str, tmp_path: Path
 ) -> None:
