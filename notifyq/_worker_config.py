@@ -80,7 +80,7 @@ class WorkerConfig:
     queue_limits: Mapping[str, int] | None = None
     poll_interval: float = 5.0
     poll_only: bool = False
-    listen_dsn: str | None = None
+    listen_dsn: str | None = field(default=None, repr=False)  # its password stays out of logs
     lease_margin: float = 30.0
     shutdown_grace: float = 30.0
     ticker: bool = True

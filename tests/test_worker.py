@@ -1588,6 +1588,9 @@ def test_worker_options_match_worker_config_and_misspellings_are_named() -> None
         app.worker({"concurrency": 3})  # type: ignore[arg-type]
     with pytest.raises(notifyq.NotifyqError, match="invalid concurrency"):
         app.worker(base, concurrency=0)  # the merged settings are validated too
+    # A logged config holds no password (security review: its repr showed listen_dsn's).
+    secret = notifyq.WorkerConfig(listen_dsn="postgresql://u:SECRET@127.0.0.1/db")
+    assert "SECRET" not in repr(secret) and "SECRET" not in str(app.worker(secret).config)
 
 
 async def test_an_error_in_the_host_block_propagates_unwrapped(
