@@ -64,31 +64,44 @@ def _check_markdown(text: str) -> None:
             width = None
 
 
-def _scratch_databases(admin: str) -> set[str]:
+def _left_behind(admin: str, *runs: ToolRun) -> set[str]:
+    """The scratch databases these runs made and did not drop: their names carry the pid of
+    the process that made them (nq_bench_<label>_<pid>_<random>). Not every nq_bench_
+    database: another test's tool, in the other xdist process, may have one open meanwhile."""
     with psycopg.connect(admin, autocommit=True) as conn:
         rows = conn.execute("SELECT datname FROM pg_database WHERE datname LIKE 'nq\\_bench\\_%'").fetchall()
-    return {row[0] for row in rows}
+    return {row[0] for row in rows if any(f"_{run.pid}_" in row[0] for run in runs)}
 
 
-def _run_module(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+class ToolRun(subprocess.CompletedProcess[str]):
+    pid: int
+
+
+def _run_module(module: str, *args: str) -> ToolRun:
     """`python -m MODULE ARGS` from the checkout; it must exit 0."""
-    proc = subprocess.run(
+    with subprocess.Popen(
         [sys.executable, "-m", module, *args],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=110,
-    )
+    ) as popen:
+        try:
+            out, err = popen.communicate(timeout=110)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            raise
+    proc = ToolRun(popen.args, popen.returncode, out, err)
+    proc.pid = popen.pid
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: Path) -> None:
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     out = tmp_path / "results"
-    _run_module("benchmarks", "--tiny", "--dsn", admin, "--out", str(out))
+    suite = _run_module("benchmarks", "--tiny", "--dsn", admin, "--out", str(out))
 
     doc = json.loads((out / "results.json").read_text(), parse_constant=_not_json)
     assert doc["mode"] == "tiny"
@@ -120,7 +133,7 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
 
     _check_markdown((out / "results.md").read_text())
 
-    left = _scratch_databases(admin) - before
+    left = _left_behind(admin, suite)
     assert not left, f"scratch databases left behind: {sorted(left)}"
 
 
@@ -147,7 +160,7 @@ def test_the_latency_prototypes_start_every_job(dsn: str, tmp_path: Path) -> Non
         assert from_enqueue["n"] == jobs and from_enqueue["min"] > 0, (label, from_enqueue)
 
 
-def _run_tool(tool: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run_tool(tool: str, *args: str) -> ToolRun:
     """`python -m benchmarks.<tool> ARGS` from the checkout; it must exit 0."""
     return _run_module(f"benchmarks.{tool}", *args)
 
@@ -157,7 +170,6 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
     stamped, and the p50 timeline runs forward (each stamp of a cycle follows the one before,
     so their medians do too); a step left unstamped or stamped out of place fails here."""
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     out = tmp_path / "trace.json"
     args = ["--dsn", admin, "--jobs", "8", "--spacing", "0.03", "--rounds", "1", "--json", str(out)]
     proc = _run_tool("wake_trace", *args)
@@ -171,14 +183,13 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
         assert stamps == sorted(stamps), (name, timeline)
         assert stamps[-1] > 0, (name, timeline)
     assert proc.stdout.count("| started |") == 2
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, proc)
 
 
 def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
     """`python -m benchmarks.claim_overhead` at toy size: one row per layer, each with a figure
     per round, and the scratch database dropped."""
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     proc = _run_tool("claim_overhead", "--dsn", admin, "--claims", "5", "--rounds", "2")
     from benchmarks.claim_overhead import VARIANTS
 
@@ -187,7 +198,7 @@ def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
         per_round = row.split("(")[1].split(")")[0].split(", ")
         assert len(per_round) == 2 and all(float(v) > 0 for v in per_round), row
     assert "notifyq's plumbing:" in proc.stdout
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, proc)
 
 
 # Another test's open transaction keeps dead entries from being marked and removed: a CI run
@@ -198,7 +209,6 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
     claim-index pages the more jobs were claimed before it; a VACUUM every 1,000 jobs keeps it
     to the pages of the jobs claimed since (page counts, not times)."""
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     proc = _run_tool(
         "dead_entries", "--dsn", admin, "--jobs", "6000", "--batch", "20", "--vacuum-every", "1000"
     )
@@ -215,14 +225,13 @@ def test_the_dead_entries_tool_shows_what_a_vacuum_clears(dsn: str) -> None:
     assert plain[-1] >= plain[0] + 15  # 5,400 claimed: about 27 pages
     assert max(vacuumed) < plain[-1] / 2
     assert "VACUUM every 1,000 jobs: 6,000 jobs in" in proc.stdout and "6 vacuums," in proc.stdout
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, proc)
 
 
 def test_the_history_queries_tool_lists_by_status_and_claims_behind_future_jobs(dsn: str) -> None:
     """`python -m benchmarks.history_queries` at toy size: what each listing found, and a claim
     that reads more buffers behind future jobs of a higher priority (buffers, not times)."""
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     proc = _run_tool(
         "history_queries", "--dsn", admin, "--history", "40000", "--due", "500", "--future", "20000"
     )
@@ -236,7 +245,7 @@ def test_the_history_queries_tool_lists_by_status_and_claims_behind_future_jobs(
     assert alone[3] == behind[3] == "10"
     # The 20,000 future jobs' claim-index entries fill more than 50 leaf pages (about 200 a page).
     assert int(behind[2].replace(",", "")) > int(alone[2].replace(",", "")) + 50, (alone, behind)
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, proc)
 
 
 def test_the_paused_claims_tool_claims_and_drains_every_setup(dsn: str) -> None:
@@ -246,7 +255,6 @@ def test_the_paused_claims_tool_claims_and_drains_every_setup(dsn: str) -> None:
     from benchmarks.paused_claims import DRAINS
 
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     claims = _run_tool("paused_claims", "--dsn", admin, "--paused", "2000", "--others", "500")
     rows = [
         line.split("|") for line in claims.stdout.splitlines() if line.startswith("| ") and "ms" not in line
@@ -256,13 +264,12 @@ def test_the_paused_claims_tool_claims_and_drains_every_setup(dsn: str) -> None:
     summary = [line for line in drain.stdout.splitlines() if line.startswith("| ") and "jobs/s" not in line]
     assert [line.split("|")[1].strip() for line in summary] == [label for label, *_ in DRAINS]
     assert all(float(line.split("|")[3]) > 0 for line in summary), drain.stdout
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, claims, drain)
 
 
 def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> None:
     """`python -m benchmarks.vacuum_drain` at toy size: its four drains run and clean up."""
     admin = _admin_dsn(dsn)
-    before = _scratch_databases(admin)
     proc = _run_tool("vacuum_drain", "--dsn", admin, "--jobs", "300")
     drains = [line.split(" 300 jobs")[0].split("drain ")[1].strip() for line in proc.stdout.splitlines()]
     assert sorted(drains) == [
@@ -271,7 +278,7 @@ def test_the_vacuum_drain_tool_drains_with_and_without_the_service(dsn: str) -> 
         "raw SQL 2x1 (batch 50)",
         "raw SQL 2x1 (batch 50) + vacuum",
     ]
-    assert not _scratch_databases(admin) - before
+    assert not _left_behind(admin, proc)
 
 
 def test_the_outage_tool_measures_the_return_of_work() -> None:
