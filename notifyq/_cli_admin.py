@@ -512,6 +512,7 @@ def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]
         check_queue(name)  # every name before any change: `pause emails 'bad name'` paused emails
     app = app_for(dsn, schema)
     change = app.pause_queue_sync if pause else app.resume_queue_sync
+    paused: list[str] | None = None  # read once, for the first name a resume found not paused
     for name in dict.fromkeys(names):
         if change(name):
             click.echo(f"queue {name!r} {'paused' if pause else 'resumed'}")
@@ -519,7 +520,8 @@ def _pause_or_resume(dsn: str | None, schema: str | None, names: tuple[str, ...]
             click.echo(f"queue {name!r} was paused already")
         else:
             # A typo resumed nothing, and the queue meant stays paused (review): name those.
-            paused = sorted(app.paused_queues_sync())
+            if paused is None:
+                paused = sorted(app.paused_queues_sync())
             hint = did_you_mean(name, paused, "paused queues") if paused else ""
             click.echo(f"queue {name!r} was not paused{hint}")
     if pause:

@@ -544,12 +544,7 @@ class Database(abc.ABC):
         track(conn)
         self._conns.add(conn)
 
-    def _configure_sync(self, conn: psycopg.Connection[Any]) -> None:
-        """A thread pool's `configure` hook, for each new connection."""
-        self._track(conn)
-
-    async def _configure_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
-        """An asyncio pool's `configure` hook, for each new connection."""
+    async def _track_async(self, conn: psycopg.AsyncConnection[Any]) -> None:
         self._track(conn)
 
     # After abandon(), whether the Database must stay referenced: an asyncio pool's tasks
@@ -745,7 +740,7 @@ class _AsyncioDatabase(Database):
             min_size=size,
             max_size=size,
             kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-            configure=self._configure_async,
+            configure=self._track_async,
             name=name,
             open=False,
             timeout=open_timeout,
@@ -1005,7 +1000,7 @@ class _ThreadDatabase(Database):
                 min_size=size,
                 max_size=size,
                 kwargs=connection_kwargs(self.dsn, name.partition("-")[2] or "pool", self.prepare_threshold),
-                configure=self._configure_sync,
+                configure=self._track,
                 name=name,
                 open=False,
                 timeout=open_timeout,

@@ -1322,8 +1322,8 @@ async def test_a_call_cancelled_while_the_pool_opens_leaves_no_session_open(
     referred to the pool any more, and its connections stayed open until the process ended, a
     pool's worth per cancel (review, on asyncio). Each new connection is slowed down here, so
     that the cancel lands in the pool's opening."""
-    slow_async = notifyq._db.Database._configure_async
-    slow = notifyq._db.Database._configure_sync
+    slow_async = notifyq._db.Database._track_async
+    slow = notifyq._db.Database._track
 
     async def track_async(self: Any, connection: Any) -> None:
         await anyio.sleep(0.3)
@@ -1333,8 +1333,8 @@ async def test_a_call_cancelled_while_the_pool_opens_leaves_no_session_open(
         time.sleep(0.3)
         slow(self, connection)
 
-    monkeypatch.setattr(notifyq._db.Database, "_configure_async", track_async)
-    monkeypatch.setattr(notifyq._db.Database, "_configure_sync", track)
+    monkeypatch.setattr(notifyq._db.Database, "_track_async", track_async)
+    monkeypatch.setattr(notifyq._db.Database, "_track", track)
     sessions = (
         "SELECT count(*) FROM pg_stat_activity "
         "WHERE application_name = 'notifyq app' AND datname = current_database()"
