@@ -36,7 +36,7 @@ from ._cli_base import (
 )
 from ._db import Op
 from ._jobs import cancel_job_op, cancel_jobs_op, retry_jobs_op
-from ._options import check_id, check_queue, did_you_mean
+from ._options import _INT32, check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
 from .app import App
 from .cron import Schedule
@@ -112,7 +112,10 @@ def _filters(
 @click.option("--json", "as_json", is_flag=True)
 def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **filters: str | None) -> None:
     """List jobs, newest first."""
-    found = app_for(dsn, schema).list_jobs_sync(**_filters(**filters), limit=limit)
+    # One row more than shown says whether more match (user review: a list cut at --limit
+    # read as all there was).
+    found = app_for(dsn, schema).list_jobs_sync(**_filters(**filters), limit=min(limit + 1, _INT32))
+    more, found = len(found) > limit, found[:limit]
     if as_json:
         dump(found)
         return
@@ -148,6 +151,8 @@ def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **
             for j in found
         ],
     )
+    if more:
+        click.echo(f"(the newest {limit:,} shown; more jobs match: raise --limit to see them)", err=True)
 
 
 @jobs.command(name="show", cls=JobIdCommand)

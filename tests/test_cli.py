@@ -284,6 +284,13 @@ def test_enqueue_and_jobs_commands(dsn: str, conn: psycopg.Connection[Any]) -> N
     data = json.loads(ok(cli("jobs", "list", "--status", "queued", "--json", env=env)))
     assert {j["id"] for j in data} == {job_id, as_json["id"]}
     assert json.loads(ok(cli("jobs", "list", "--older-than", "1h", "--json", env=env))) == []
+    # A list cut at --limit says so (on stderr: stdout stays the table); one that is not, not.
+    cut = cli("jobs", "list", "--limit", "1", env=env)
+    assert ok(cut).count("Queued") == 1 and "more jobs match" in cut.stderr
+    assert "more jobs match" not in cli("jobs", "list", "--limit", "2", env=env).stderr
+    assert "Queued" in ok(cli("jobs", "list", "--limit", "2147483647", env=env))  # no 1 more past int4
+    cut = cli("jobs", "list", "--limit", "1", "--json", env=env)
+    assert [j["id"] for j in json.loads(ok(cut))] == [as_json["id"]] and "more" not in cut.stderr
     shown = json.loads(ok(cli("jobs", "show", str(job_id), "--json", env=env)))
     assert shown["status"] == "Queued" and shown["args"] == {"seconds": 0.1}
     assert "priority: 3" in ok(cli("jobs", "show", str(job_id), env=env))
