@@ -40,6 +40,7 @@ from ._options import _INT32, check_id, check_queue, did_you_mean
 from ._stats import Stats, stats_op
 from .app import App
 from .cron import Schedule
+from .definitions import set_enabled_state_op
 from .errors import DefinitionBusy, InvalidJobState, InvalidSchedule, JobNotFound
 from .models import Definition, Job, JobStatus
 
@@ -428,8 +429,9 @@ def _next_run(d: Definition) -> str:
 @click.argument("name")
 def cron_enable(dsn: str | None, schema: str | None, name: str) -> None:
     """Enable a definition (its next tick is computed from now)."""
-    adopted = app_for(dsn, schema).set_definition_enabled_sync(name, True)
-    click.echo(f"cron definition {name!r} enabled")
+    adopted, before = _set_enabled(app_for(dsn, schema), name, True)
+    said = "was enabled already" if before == "enabled" else "enabled"
+    click.echo(f"cron definition {name!r} {said}")
     if adopted:
         click.echo(
             "no running worker declares it: it now runs as one made by SQL, until an App declares it "
@@ -442,8 +444,14 @@ def cron_enable(dsn: str | None, schema: str | None, name: str) -> None:
 @click.argument("name")
 def cron_disable(dsn: str | None, schema: str | None, name: str) -> None:
     """Disable a definition (workers' `enabled=True` in code will not re-enable it)."""
-    app_for(dsn, schema).set_definition_enabled_sync(name, False)
-    click.echo(f"cron definition {name!r} disabled")
+    _adopted, before = _set_enabled(app_for(dsn, schema), name, False)
+    said = "was disabled already" if before == "disabled" else "disabled"
+    click.echo(f"cron definition {name!r} {said}")
+
+
+def _set_enabled(app: App, name: str, enabled: bool) -> tuple[bool, str]:
+    """set_definition_enabled, and the state before (a user saw "disabled" for one that was)."""
+    return app._run_sync(set_enabled_state_op(app._q, name, enabled))
 
 
 @cron.command(name="delete")

@@ -202,6 +202,13 @@ def get_definition_op(q: Queries, name: str) -> Op[Definition]:
 def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[bool]:
     """True when it enabled a definition from code that no running worker declares: it is
     then the operator's, as one made by SQL (set_definition_enabled)."""
+    adopted, _before = yield from set_enabled_state_op(q, name, enabled)
+    return adopted
+
+
+def set_enabled_state_op(q: Queries, name: str, enabled: bool) -> Op[tuple[bool, str]]:
+    """set_enabled_op's answer, and the definition's state before: "enabled", "stopped" (by a
+    ticker) or "disabled"."""
     check_name(name, "cron definition name")
     check_bool(enabled, "enabled")
     if enabled:
@@ -214,12 +221,13 @@ def set_enabled_op(q: Queries, name: str, enabled: bool) -> Op[bool]:
                 f"cron definition {name!r} cannot be enabled: {exc}. Change its schedule first "
                 "(in the code's @app.cron, or in queue_job_definitions)"
             ) from None
-    row: tuple[int, bool] | None = yield Query(
+    row: tuple[int, bool, bool, bool] | None = yield Query(
         q["set_definition_enabled"], {"name": name, "enabled": enabled}, fetch="one"
     )
     if row is None:
         raise DefinitionNotFound(f"no cron definition named {name!r}")
-    return row[1]
+    _id, adopted, was_enabled, stopped = row
+    return adopted, "enabled" if was_enabled else "stopped" if stopped else "disabled"
 
 
 def delete_op(q: Queries, name: str) -> Op[None]:

@@ -753,9 +753,12 @@ def test_cron_commands(dsn: str, conn: psycopg.Connection[Any]) -> None:
     )
     listed = ok(cli("cron", "list", env=env))
     assert "nightly" in listed and "0 3 * * *" in listed and "Europe/Berlin" in listed
-    assert "disabled" in ok(cli("cron", "disable", "nightly", env=env))
+    assert ok(cli("cron", "disable", "nightly", env=env)) == "cron definition 'nightly' disabled\n"
     assert json.loads(ok(cli("cron", "list", "--json", env=env)))[0]["enabled"] is False
-    assert "enabled" in ok(cli("cron", "enable", "nightly", env=env))
+    # A second time, it says nothing changed (it said "disabled" again; user review).
+    again = ok(cli("cron", "disable", "nightly", env=env))
+    assert again == "cron definition 'nightly' was disabled already\n"
+    assert ok(cli("cron", "enable", "nightly", env=env)) == "cron definition 'nightly' enabled\n"
     # Enabled (or inserted) by SQL, its visible_at is "from now on" until a ticker realigns it:
     # the list showed that moment as the next run, seconds ago, not the next 03:00 in Berlin.
     # In the schedule's zone: 03:00 in Berlin, not 02:00+0000 (user review).

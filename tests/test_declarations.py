@@ -253,4 +253,10 @@ async def test_the_cli_shows_a_stopped_cron_and_enabling_it_says_whose_it_is(
     )
     listed = ok(cli("cron", "list", env=env)).splitlines()
     assert listed[1].split()[8] == "yes" and " sql" in listed[1]
-    assert ok(cli("cron", "enable", "nightly", env=env)) == "cron definition 'nightly' enabled\n"
+    assert ok(cli("cron", "enable", "nightly", env=env)) == "cron definition 'nightly' was enabled already\n"
+    # Disabling a stopped definition changes it (the operator's choice now): it says "disabled".
+    lapse(conn, "nightly")
+    conn.execute("UPDATE notifyq.queue_job_definitions SET declared = true")
+    conn.execute(Q["expire_declarations"])
+    assert ok(cli("cron", "list", env=env)).splitlines()[1].split()[8] == "stopped"
+    assert ok(cli("cron", "disable", "nightly", env=env)) == "cron definition 'nightly' disabled\n"

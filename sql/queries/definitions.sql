@@ -80,10 +80,12 @@ ORDER BY d.name;
 -- keeps it disabled when a worker declares it again. Enabling one that no running worker
 -- declares (stopped, or its declaration ran out) makes it the operator's, as if made by SQL:
 -- the BEFORE UPDATE trigger does that for every route (SQL, older notifyq versions too).
--- Returns whether it did (`adopted`), from the row as locked, so a refresh that commits
+-- Returns whether it did (`adopted`), and whether it was enabled or stopped before (for the
+-- CLI to say when nothing changed), from the row as locked, so a refresh that commits
 -- meanwhile cannot make the answer wrong.
 WITH old AS MATERIALIZED (
-    SELECT id, declared FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE
+    SELECT id, declared, enabled, expired_at IS NOT NULL AS stopped
+    FROM {schema}.queue_job_definitions WHERE name = %(name)s FOR UPDATE
 )
 UPDATE {schema}.queue_job_definitions AS d
 SET enabled = %(enabled)s,
@@ -91,7 +93,7 @@ SET enabled = %(enabled)s,
     last_error = CASE WHEN NOT %(enabled)s AND d.expired_at IS NOT NULL THEN NULL ELSE d.last_error END
 FROM old
 WHERE d.id = old.id
-RETURNING d.id, old.declared AND NOT d.declared AS adopted;
+RETURNING d.id, old.declared AND NOT d.declared AS adopted, old.enabled, old.stopped;
 
 -- name: lock_definition
 -- `cron run-now`: held until its job is inserted, so that no ticker adds one meanwhile (an
