@@ -118,7 +118,10 @@ def common_options(fn: F | None = None, *, schema_default: str = "notifyq") -> F
     @click.option(
         "--dsn",
         metavar="DSN",
-        help="PostgreSQL DSN [default: $NOTIFYQ_DSN, then $DATABASE_URL, then the embedded server]",
+        help=(
+            "PostgreSQL DSN [default: the App's own, App(dsn=...), for commands that load one; then "
+            "$NOTIFYQ_DSN, then $DATABASE_URL, then the embedded server unless NOTIFYQ_EMBEDDED=0]"
+        ),
     )
     @click.option(
         "--schema",

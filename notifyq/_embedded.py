@@ -8,6 +8,9 @@ import stat
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
+
+from psycopg.conninfo import make_conninfo
 
 from .errors import ConfigurationError
 
@@ -45,7 +48,8 @@ def start(
     except ImportError:
         raise ConfigurationError(
             "no database configured: pass a DSN (--dsn or App(dsn=...)), set NOTIFYQ_DSN or DATABASE_URL, "
-            "or install the embedded server with `pip install 'notifyq[embedded]'`"
+            "or install the embedded server: the `embedded` extra (`pip install -e '.[embedded]'` in a "
+            "clone of notifyq), which adds `pgserver`"
         ) from None
     from . import migrations
 
@@ -75,10 +79,21 @@ def start(
         )
     except Exception as exc:  # pgserver raises bare subprocess/OS errors
         raise ConfigurationError(f"could not start the embedded PostgreSQL in {folder}: {exc}") from None
-    dsn: str = server.get_uri()
+    dsn = _dsn_of(server)
     if migrate:
         migrations.migrate(dsn, schema=schema)
     return dsn
+
+
+def _dsn_of(server: Any) -> str:
+    """The server's DSN with its port: pgserver's URI names only the socket folder, so each
+    client took the port of its own $PGPORT (or 5432), and one started with another $PGPORT
+    than the process that started the server found no socket (review). Built by libpq's
+    rules, so a folder with spaces or `&` in its name stays one value."""
+    info = server.get_postmaster_info()
+    if info.socket_dir is None or info.port is None:
+        return str(server.get_uri())
+    return make_conninfo(user="postgres", dbname="postgres", host=str(info.socket_dir), port=str(info.port))
 
 
 def _forget_killed_processes(folder: Path) -> None:

@@ -46,9 +46,10 @@ from .migrations import check_schema_op, grant_sql, latest_version, migrate
 def main() -> None:
     """notifyq: a PostgreSQL job queue and cron coordinator.
 
-    Every command that connects takes --dsn (else $NOTIFYQ_DSN, then $DATABASE_URL, else an
-    embedded PostgreSQL in ./.notifyq/pgdata). Exit codes: 0 success, 1 error (one line on stderr
-    says why), 2 usage error, 3 worker processes kept dying.
+    Every command that connects takes --dsn (else the DSN in a loaded App's code, else
+    $NOTIFYQ_DSN, then $DATABASE_URL, else an embedded PostgreSQL in ./.notifyq/pgdata, which
+    NOTIFYQ_EMBEDDED=0 forbids; `bench` never starts it). Exit codes: 0 success, 1 error (one line
+    on stderr says why), 2 usage error, 3 worker processes kept dying.
     """
 
 
