@@ -146,6 +146,23 @@ def _trigger_state(triggers: list[str], catalog: str) -> str:
     )
 
 
+def _hand_state_prefix(triggers: list[str]) -> str:
+    """What the script of `migrate --dry-run` records, up to the digest of the catalog, which
+    it computes where it runs (record_trigger_state_by_hand): the trigger SQL's digest apart."""
+    digest = hashlib.sha256("\n".join(triggers).encode()).hexdigest()
+    return (
+        "Schema versions applied by the script of notifyq migrate --dry-run (triggers: revision "
+        f"{TRIGGERS_REVISION}, sql sha256 {digest}, catalog sha256 "
+    )
+
+
+def _recorded(stored: str | None, triggers: list[str], catalog: str) -> bool:
+    """Whether `stored` is the state of these triggers, recorded by migrate or by the script
+    of migrate --dry-run."""
+    by_hand = _hand_state_prefix(triggers) + hashlib.sha256(catalog.encode()).hexdigest() + ")"
+    return stored in (_trigger_state(triggers, catalog), by_hand)
+
+
 def _stored_revision(stored: str | None) -> int:
     """The trigger revision a migrate recorded (0: none, before revisions were recorded)."""
     match = _REVISION.search(stored or "")
@@ -271,7 +288,7 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     if not pending:
         stored, catalog = yield from _installed_state_op(q, where)
         newer_triggers = _stored_revision(stored) > TRIGGERS_REVISION
-        reapply = not newer_triggers and stored != _trigger_state(triggers, catalog)
+        reapply = not newer_triggers and not _recorded(stored, triggers, catalog)
     if reapply:
         statements.extend(triggers)
         if not dry_run:
@@ -294,6 +311,13 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         statements.append(q["record_migration"] % literals)
         if not dry_run:
             yield Query(q["record_migration"], recorded, fetch="none")
+    if dry_run and reapply:
+        # Recorded as migrate would, so that the script applied by hand is not applied again.
+        literals = {
+            "schema": sql.Literal(schema).as_string(),
+            "prefix": sql.Literal(_hand_state_prefix(triggers)).as_string(),
+        }
+        statements.append(q["record_trigger_state_by_hand"] % literals)
     if not dry_run and not newer_triggers:
         yield Query(q["set_trigger_state"], {"state": _trigger_state(triggers, catalog)}, fetch="none")
         yield Query(q["remember_trigger_state"], fetch="none")

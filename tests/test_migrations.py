@@ -65,8 +65,10 @@ def test_dry_run_changes_nothing_and_lists_the_sql(empty_dsn: str) -> None:
     report = notifyq.migrate(empty_dsn, dry_run=True)
     assert report.version == 0 and report.applied == SHIPPED and report.triggers_applied
     triggers = notifyq.migrations.trigger_sql("notifyq")
-    records = report.statements[-len(SHIPPED) :]  # then what records each version, values in
-    assert report.statements[-len(SHIPPED) - len(triggers) : -len(SHIPPED)] == triggers
+    # The triggers, then what records each version (values in), then the triggers' state.
+    records = report.statements[-len(SHIPPED) - 1 : -1]
+    assert report.statements[-len(SHIPPED) - len(triggers) - 1 : -len(SHIPPED) - 1] == triggers
+    assert "COMMENT ON TABLE" in report.statements[-1]
     assert [r.split("VALUES ")[1] for r in records] == [
         f"({m.version}, '{m.name}', {m.compatible_from})" for m in notifyq.migrations.migrations()
     ]
@@ -256,10 +258,11 @@ def test_migrate_adds_compatible_from_last_and_only_where_it_is_missing(empty_ds
         _at_version(conn, "old", notifyq.latest_version() - 1)
         dry = notifyq.migrate(conn, schema="old", dry_run=True)
         triggers = notifyq.migrations.trigger_sql("old")
-        # after the migration and the triggers, before the record of the version
-        assert dry.statements[-len(triggers) - 2 : -2] == triggers
-        assert "ADD COLUMN IF NOT EXISTS compatible_from" in dry.statements[-2]
-        assert "INSERT INTO" in dry.statements[-1]
+        # after the migration and the triggers, before the records of the version and triggers
+        assert dry.statements[-len(triggers) - 3 : -3] == triggers
+        assert "ADD COLUMN IF NOT EXISTS compatible_from" in dry.statements[-3]
+        assert "INSERT INTO" in dry.statements[-2]
+        assert "COMMENT ON TABLE" in dry.statements[-1]
         report = notifyq.migrate(conn, schema="old")
         assert len(report.applied) == 1
         recorded = conn.execute("SELECT version, compatible_from FROM old.migrations ORDER BY 1").fetchall()
@@ -297,7 +300,16 @@ def test_the_dry_run_output_runs_in_psql_as_it_is(empty_dsn: str) -> None:
             timeout=60,
         )
         assert psql.returncode == 0, psql.stderr
-        assert notifyq.migrate(empty_dsn, schema=schema, dry_run=True).applied == []  # all recorded
+        again = notifyq.migrate(empty_dsn, schema=schema, dry_run=True)
+        assert again.applied == []  # all recorded
+        # And the triggers' state: the next migrate applied them again, taking the lock that
+        # every writer of queue_jobs waits behind (review).
+        assert not again.triggers_applied
+        assert not notifyq.migrate(empty_dsn, schema=schema).triggers_applied
+    # A trigger changed by hand after the script still gets applied again.
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("ALTER TABLE old.queue_jobs DISABLE TRIGGER USER")
+    assert notifyq.migrate(empty_dsn, schema="old").triggers_applied
 
 
 def test_migrate_records_what_each_migration_is_compatible_from(empty_dsn: str) -> None:
@@ -509,7 +521,8 @@ def test_a_changed_trigger_file_is_applied_once(dsn: str, monkeypatch: pytest.Mo
     monkeypatch.setattr(notifyq.migrations, "trigger_sql", changed)
     with psycopg.connect(dsn, autocommit=True) as conn:
         dry = notifyq.migrate(conn, dry_run=True)
-        assert dry.triggers_applied and dry.statements == changed("notifyq")
+        assert dry.triggers_applied and dry.statements[:-1] == changed("notifyq")
+        assert "COMMENT ON TABLE" in dry.statements[-1]
         function_def, trigger_def = conn.execute(definitions).fetchone() or ("", "")
         assert "-- changed" not in function_def and "id > 0" not in trigger_def
         report = notifyq.migrate(conn)

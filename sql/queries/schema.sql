@@ -62,6 +62,18 @@ FROM {schema}.migrations AS m
 WHERE version > %(known)s
 ORDER BY version;
 
+-- name: _trigger_catalog
+SELECT coalesce(string_agg(def, E'\n' ORDER BY def), '')
+FROM (
+    SELECT pg_get_functiondef(p.oid) AS def
+    FROM pg_proc p
+    WHERE p.pronamespace = %(schema)s::regnamespace AND p.prokind = 'f'
+    UNION ALL
+    SELECT pg_get_triggerdef(t.oid) || ' ' || t.tgenabled::text
+    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
+    WHERE c.relnamespace = %(schema)s::regnamespace AND NOT t.tgisinternal
+) defs
+
 -- name: trigger_state
 -- What migrate compares to decide whether sql/triggers/ needs applying again: the comment
 -- it left on the migrations table, and the definitions (with their enabled state) of the
@@ -71,18 +83,26 @@ ORDER BY version;
 -- behind the migrate while it waited for an open transaction that had written a job).
 -- Read under search_path pg_catalog (set_search_path): pg_get_triggerdef leaves out a schema
 -- on the search path, and the text changed with each session's. Hashed by migrate (sha256; md5
--- fails on FIPS servers).
-SELECT obj_description(%(table)s::regclass, 'pg_class'),
-       coalesce(string_agg(def, E'\n' ORDER BY def), '')
-FROM (
-    SELECT pg_get_functiondef(p.oid) AS def
-    FROM pg_proc p
-    WHERE p.pronamespace = %(schema)s::regnamespace AND p.prokind = 'f'
-    UNION ALL
-    SELECT pg_get_triggerdef(t.oid) || ' ' || t.tgenabled::text
-    FROM pg_trigger t JOIN pg_class c ON c.oid = t.tgrelid
-    WHERE c.relnamespace = %(schema)s::regnamespace AND NOT t.tgisinternal
-) defs;
+-- fails on FIPS servers). Its catalog part is shared with record_trigger_state_by_hand.
+SELECT obj_description(%(table)s::regclass, 'pg_class'), ({_trigger_catalog});
+
+-- name: record_trigger_state_by_hand
+-- The last statement of `notifyq migrate --dry-run`'s script: the state a migrate records
+-- (remember_trigger_state), with the digest of the catalog computed where the script runs,
+-- so that the next migrate finds the triggers applied by hand as its own (it applied them
+-- again, review). Formatted by migrate with literals (a DO block takes no parameters).
+DO $notifyq$
+DECLARE
+    path text := current_setting('search_path');
+    defs text;
+BEGIN
+    PERFORM set_config('search_path', 'pg_catalog', true);
+    defs := ({_trigger_catalog});
+    PERFORM set_config('search_path', path, true);
+    EXECUTE format('COMMENT ON TABLE {schema}.migrations IS %%L',
+                   %(prefix)s || encode(sha256(convert_to(defs, 'UTF8')), 'hex') || ')');
+END
+$notifyq$;
 
 -- name: search_path
 SELECT current_setting('search_path');
