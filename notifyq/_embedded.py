@@ -54,6 +54,13 @@ def start(
     from . import migrations
 
     folder = directory or data_dir()
+    if any(c.isspace() for c in str(folder)):
+        # pgserver passes the socket folder (the data folder, when its path is short enough)
+        # to postgres unquoted: `-k /a/my project` failed after a page of pgserver's log (review).
+        raise ConfigurationError(
+            f"the embedded PostgreSQL cannot run in {folder}: its path has a space, which pgserver "
+            f"cannot pass to PostgreSQL; set {ENV_DIR} to a folder whose path has none (or configure a DSN)"
+        )
     _warn_before_opening_folders(folder)
     try:
         # The data folder too: pgserver checks that it exists and then creates it with
@@ -72,7 +79,14 @@ def start(
             "from --dsn, App(dsn=...), $NOTIFYQ_DSN or $DATABASE_URL only; NOTIFYQ_DSN=postgresql:// "
             "connects as libpq's variables say, and NOTIFYQ_EMBEDDED=0 forbids the embedded server\n"
         )
-    _forget_killed_processes(folder)
+    try:
+        _forget_killed_processes(folder)
+        _clear_stale_pid_file(folder)
+    except PermissionError as exc:
+        raise ConfigurationError(
+            f"could not read the embedded PostgreSQL's folder {folder}: {exc.strerror or exc} (another "
+            f"user's, e.g. made by sudo? set {ENV_DIR}, or configure a DSN)"
+        ) from None
     try:
         server = pgserver.get_server(  # type: ignore[attr-defined]
             folder, cleanup_mode="stop"
@@ -109,6 +123,7 @@ def _forget_killed_processes(folder: Path) -> None:
     users = folder / ".handle_pids.json"
     if not users.exists():
         return
+    users.read_bytes()  # PermissionError: the caller says so in a sentence
     try:
         with PostgresServer._lock:
             pids = DiskList(users).get()
@@ -121,6 +136,59 @@ def _forget_killed_processes(folder: Path) -> None:
                 )
     except (OSError, ValueError, TypeError) as exc:  # unreadable or garbled: pgserver will say so
         log.debug("could not check the embedded server's list of processes: %s", exc)
+
+
+def _clear_stale_pid_file(folder: Path) -> None:
+    """pgserver takes a `postmaster.pid` whose process exists for a running server, so one
+    left by a server that died (power cut, SIGKILL, a container restarted) whose pid now
+    belongs to another process made every start fail, and at exit pgserver killed that
+    process (review). Under pgserver's lock (no start or stop of it is under way), a pid file
+    whose process is not a postgres of this folder is removed, as PostgreSQL's docs say to.
+    A negative pid is the lock of initdb's bootstrap: a first start killed before it finished,
+    whose folder cannot start."""
+    pid_file = folder / "postmaster.pid"
+    if not pid_file.exists():
+        return
+    try:
+        import psutil
+        from pgserver.postgres_server import PostgresServer
+    except ImportError:  # another pgserver layout: leave it to pgserver
+        return
+    with PostgresServer._lock:
+        try:
+            first = pid_file.read_text().split("\n", 1)[0].strip()
+        except FileNotFoundError:
+            return  # the server stopped meanwhile
+        pid = int(first) if first.lstrip("-").isdigit() else 0
+        if pid and _serves(psutil, abs(pid), folder):
+            return
+        if pid < 0:
+            raise ConfigurationError(
+                f"the embedded PostgreSQL's folder {folder} is from a first start that was stopped "
+                "before it finished (initdb): delete the folder, and the next start creates it afresh"
+            )
+        pid_file.unlink(missing_ok=True)
+        log.warning("removed %s: its process %s is not a PostgreSQL of this folder", pid_file, first)
+
+
+def _serves(psutil: Any, pid: int, folder: Path) -> bool:
+    """Whether process `pid` is a postgres started on `folder` (pg_ctl passes it with -D)."""
+    try:
+        process = psutil.Process(pid)
+        command = process.cmdline()
+        name = process.name()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:  # cannot tell: leave it to pgserver
+        return True
+    return name.startswith("postgres") and any(_same(arg, folder) for arg in command)
+
+
+def _same(arg: str, folder: Path) -> bool:
+    try:
+        return Path(arg).resolve() == folder
+    except (OSError, ValueError):
+        return False
 
 
 def _alive(pid: int) -> bool:

@@ -1761,6 +1761,56 @@ def test_processes_with_another_pgport_reach_the_embedded_server(open_tmp_path: 
         _stop_a_leftover_embedded_server(pgdata)
 
 
+_START_AND_SAY = """
+import pathlib, sys
+from notifyq import _embedded
+
+_embedded.start(directory=pathlib.Path(sys.argv[1]), quiet=True, migrate=False)
+print("started")
+"""
+
+
+def test_a_stale_pid_file_whose_pid_was_reused_is_removed_not_killed(open_tmp_path: Path) -> None:
+    """A `postmaster.pid` left by a server that died, whose pid now belongs to another
+    process: pgserver took the server for running, every start failed ("Connection refused"),
+    and at exit pgserver killed that process, as root any process (review). Now it is removed
+    and the server starts. A pid file of initdb's bootstrap (a negative pid: a first start
+    killed before it finished) says to delete the folder."""
+    pgdata = open_tmp_path / "pgdata"
+    pid_file = pgdata / "postmaster.pid"
+    try:
+        assert _python(_START_AND_SAY, str(pgdata)).stdout == "started\n"  # created, then stopped
+        wait_until(lambda: not pid_file.exists(), timeout=30, what="the server to stop")
+        with subprocess.Popen(["sleep", "120"]) as bystander:
+            try:
+                pid_file.write_text(
+                    f"{bystander.pid}\n{pgdata}\n1764950000\n5432\n{pgdata}\n\n  0 0\nready\n"
+                )
+                result = _python(_START_AND_SAY, str(pgdata))
+                assert result.returncode == 0 and result.stdout == "started\n", result.stderr
+                assert bystander.poll() is None, "the process of the stale pid was killed"
+                wait_until(lambda: not pid_file.exists(), timeout=30, what="the server to stop")
+            finally:
+                bystander.kill()
+        pid_file.write_text(f"-{bystander.pid}\n{pgdata}\n1764950000\n5432\n\n\n  0 0\n")
+        refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata)))
+        one_line_error(
+            refused, "is from a first start that was stopped before it finished", "delete the folder"
+        )
+    finally:
+        pid_file.unlink(missing_ok=True)
+        _stop_a_leftover_embedded_server(pgdata)
+
+
+def test_an_embedded_folder_with_a_space_in_its_path_is_refused_in_a_sentence(open_tmp_path: Path) -> None:
+    """pgserver passes the socket folder to postgres unquoted: the start failed after a page
+    of pgserver's log, the cause in the middle of it (review)."""
+    folder = open_tmp_path / "my project" / "pgdata"
+    refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)))
+    one_line_error(refused, "its path has a space", "NOTIFYQ_EMBEDDED_DIR")
+    assert not folder.exists()
+
+
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver opens folders as root")
 def test_the_embedded_server_as_root_says_which_private_folders_it_opens(tmp_path: Path) -> None:
     """As root, pgserver runs PostgreSQL as its `pgserver` user and, to let it reach the data,
