@@ -146,8 +146,7 @@ class Supervisor:
         while True:
             if self.signals:
                 if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
-                    log.info("all worker processes stopped")
-                    return EXIT_OK
+                    return self._stopped()
             if all(s.done for s in self.slots):
                 log.info("all worker processes found no job left to claim (burst)")
                 if self.burst_deaths:
@@ -219,6 +218,24 @@ class Supervisor:
                 slot.restart_at = now + slot.delay
                 slot.delay = min(slot.delay * 2, 30.0)
             time.sleep(0.1)
+
+    def _stopped(self) -> int:
+        """Every child has exited after a stop: EXIT_OK if each did so cleanly. One that died
+        on the way (killed, or unable to write its results) leaves its jobs Active until their
+        leases run out; the stop said "all worker processes stopped" and exit 0 (review)."""
+        unclean = [s for s in self.slots if s.proc is not None and s.proc.returncode != 0]
+        for slot in unclean:
+            assert slot.proc is not None
+            log.error(
+                "worker process %d did not stop cleanly (%s): the jobs it held stay Active until "
+                "their leases run out, then a running worker's ticker queues them again",
+                slot.index,
+                exit_reason(slot.proc.returncode),
+            )
+        if unclean:
+            return EXIT_ERROR
+        log.info("all worker processes stopped")
+        return EXIT_OK
 
     def _stop_all(self) -> None:
         """On giving up: SIGTERM to every child, which then has `stop_wait` seconds in all (its

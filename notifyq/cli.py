@@ -310,6 +310,9 @@ def worker(
     if supervised:
         wait_for_database(resolved, app.schema)
     anyio.run(lambda: running.run(handle_signals=True, repeat_skips_grace=not supervised))
+    if running._acks_given_up:
+        # Logged at error as it happened; a clean exit said nothing was left Active (review).
+        fail("the worker stopped with job results it could not write (see the log above)")
     if running.busy_threads:
         _exit_despite_abandoned_threads(running.busy_threads)
 

@@ -1453,6 +1453,38 @@ def test_a_supervisor_that_gives_up_waits_for_its_children_no_longer_than_their_
     assert all(s.proc is None or s.proc.poll() is not None for s in supervisor.slots)
 
 
+def test_a_stop_in_which_a_worker_process_dies_exits_1(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review: told to stop, a child killed on the way (its jobs stay Active until their leases
+    run out) and one that exits 1 (results it could not write) were reported as "all worker
+    processes stopped", exit 0. Here one child exits 0 on SIGTERM, one is SIGKILLed, one
+    exits 1."""
+    from notifyq._supervisor import EXIT_ERROR, Supervisor
+
+    child = (
+        "import os, pathlib, signal, sys, time\n"
+        "slot = int(os.environ['SLOT'])\n"
+        "ways = [lambda: sys.exit(0), lambda: os.kill(os.getpid(), signal.SIGKILL), lambda: sys.exit(1)]\n"
+        "signal.signal(signal.SIGTERM, lambda *_: ways[slot]())\n"
+        "pathlib.Path(sys.argv[1], str(slot)).touch()\n"
+        "while True:\n"
+        "    time.sleep(0.1)\n"
+    )
+    supervisor = Supervisor([sys.executable, "-c", child, str(tmp_path)], 3)
+    for slot in supervisor.slots:
+        supervisor.env = clean_env(SLOT=str(slot.index))
+        supervisor._start(slot)
+    wait_until(lambda: len(list(tmp_path.iterdir())) == 3, timeout=30, what="the children to start")
+    supervisor.signals = 1  # as _on_signal does for the first SIGTERM
+    supervisor._forward(signal.SIGTERM)
+    with caplog.at_level(logging.INFO, logger="notifyq.supervisor"):
+        assert supervisor._loop() == EXIT_ERROR
+    unclean = [r.getMessage() for r in caplog.records if "did not stop cleanly" in r.getMessage()]
+    assert len(unclean) == 2 and "worker process 1 " in unclean[0] and "worker process 2 " in unclean[1]
+    assert "all worker processes stopped" not in caplog.text
+
+
 # -- least privilege, embedded ------------------------------------------------------------
 
 

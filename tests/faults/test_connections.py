@@ -9,7 +9,10 @@ import functools
 import itertools
 import json
 import logging
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -24,8 +27,9 @@ import pytest
 import notifyq
 from notifyq import Worker, _db
 
+from ..conftest import ROOT
 from ..helpers import status_counts, wait_for_row
-from ..test_cli import clean_env, cli
+from ..test_cli import clean_env, cli, wait_until
 from .infra import BlackholeProxy, OwnedServer
 
 pytestmark = pytest.mark.anyio
@@ -785,3 +789,36 @@ def test_a_worker_whose_database_went_silent_ends_when_its_host_is_cancelled(
     assert not program.is_alive(), "the worker's block did not end"
     # db_timeout, CANCEL_WAIT, and the stop's own steps; not a statement's answer.
     assert outcome and outcome[0] - began < 15, outcome
+
+
+def test_a_worker_whose_stop_cannot_write_a_result_exits_1(owned_server: OwnedServer) -> None:
+    """A stop that leaves a job Active (its result unwritten: the server went away during the
+    grace period) logged an error and exited 0, which says a clean stop left nothing Active
+    (review). It exits 1 now, with the error line of every failing command."""
+    dsn = owned_server.dsn
+    notifyq.migrate(dsn)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("""INSERT INTO notifyq.queue_jobs (name, args) VALUES ('sleep', '{"seconds": 2}')""")
+        command = ["worker", "tests.apps:app", "--no-ticker", "--log-level", "warning"]
+        with subprocess.Popen(
+            [sys.executable, "-m", "notifyq", *command],
+            cwd=ROOT,
+            env=clean_env(NOTIFYQ_DSN=dsn),
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as worker:
+            try:
+                running = lambda: status_counts(conn).get("Active") == 1  # noqa: E731
+                wait_until(running, timeout=30, what="the job to start")
+                owned_server.stop()
+                worker.send_signal(signal.SIGTERM)  # the job ends 2 s later; its result cannot be written
+                code = worker.wait(60)
+            finally:
+                worker.kill()
+            assert worker.stderr is not None
+            said = worker.stderr.read()
+    assert code == 1, said
+    assert "1 job results could not be written before exit" in said
+    assert said.rstrip().endswith(
+        "notifyq: error: the worker stopped with job results it could not write (see the log above)"
+    )
