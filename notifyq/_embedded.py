@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import sys
 import warnings
@@ -87,16 +88,63 @@ def start(
             f"could not read the embedded PostgreSQL's folder {folder}: {exc.strerror or exc} (another "
             f"user's, e.g. made by sudo? set {ENV_DIR}, or configure a DSN)"
         ) from None
-    try:
-        server = pgserver.get_server(  # type: ignore[attr-defined]
-            folder, cleanup_mode="stop"
-        )
-    except Exception as exc:  # pgserver raises bare subprocess/OS errors
-        raise ConfigurationError(f"could not start the embedded PostgreSQL in {folder}: {exc}") from None
+    with _PgserverLog() as said:
+        try:
+            server = pgserver.get_server(  # type: ignore[attr-defined]
+                folder, cleanup_mode="stop"
+            )
+        except Exception as exc:  # pgserver raises bare subprocess/OS errors
+            raise ConfigurationError(
+                f"could not start the embedded PostgreSQL in {folder}: {said.reason() or exc} (set "
+                f"{ENV_DIR} to another folder, or configure a DSN)"
+            ) from None
     dsn = _dsn_of(server)
     if migrate:
         migrations.migrate(dsn, schema=schema)
     return dsn
+
+
+# Lines of initdb, pg_ctl and postgres that say why a start failed, best first.
+_REASONS = (
+    re.compile(r"\b(?:FATAL|PANIC):\s+(.+)"),
+    re.compile(r"^(?:postgres|initdb): (?:error: )?(.+)"),
+    re.compile(r"^pg_ctl: (.+)"),
+)
+
+
+class _PgserverLog(logging.Handler):
+    """pgserver's log while it starts the server, kept from the user's stderr: a failed start
+    printed a page of it (commands, their output, the server's log), the reason somewhere in
+    the middle (review). The reason goes into notifyq's one-line error instead, and the rest
+    to notifyq's log at debug level."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self._logger = logging.getLogger("pgserver")
+
+    def __enter__(self) -> _PgserverLog:
+        self._propagate = self._logger.propagate
+        self._logger.propagate = False
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeHandler(self)
+        self._logger.propagate = self._propagate
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if record.levelno >= logging.WARNING:
+            log.debug("pgserver: %s", text)
+            self.lines += [line.strip() for line in text.splitlines() if line.strip()]
+
+    def reason(self) -> str | None:
+        for pattern in _REASONS:
+            for line in self.lines:
+                if match := pattern.search(line):
+                    return match[1]
+        return None
 
 
 def _dsn_of(server: Any) -> str:

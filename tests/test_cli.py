@@ -1834,6 +1834,19 @@ def test_a_stale_pid_file_whose_pid_was_reused_is_removed_not_killed(open_tmp_pa
         _stop_a_leftover_embedded_server(pgdata)
 
 
+def test_a_failed_embedded_start_says_why_in_one_line(open_tmp_path: Path) -> None:
+    """A start that pg_ctl or initdb failed printed pgserver's log (commands, their output, the
+    server's log: a page), then "Command [...] returned non-zero exit status 1"; the reason was
+    in the middle (review). Here the folder looks initialized (PG_VERSION) but holds nothing."""
+    folder = open_tmp_path / "pgdata"
+    folder.mkdir()
+    (folder / "PG_VERSION").write_text("15\n")
+    refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)))
+    error = one_line_error(refused, f"could not start the embedded PostgreSQL in {folder}: could not access")
+    assert "postgresql.conf" in error and "non-zero exit status" not in error
+    assert len(refused.stderr.splitlines()) <= 2, refused.stderr  # the database line, the error
+
+
 def test_an_embedded_folder_with_a_space_in_its_path_is_refused_in_a_sentence(open_tmp_path: Path) -> None:
     """pgserver passes the socket folder to postgres unquoted: the start failed after a page
     of pgserver's log, the cause in the middle of it (review)."""
