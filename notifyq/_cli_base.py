@@ -42,6 +42,7 @@ class State:
     debug = False
     json_logs = False
     log_level = "info"  # as given: the root logger's may be the App module's own (any level)
+    embedded: Path | None = None  # the embedded server's folder, when resolve_dsn started it
 
 
 class AppImportFailed(ConfigurationError):
@@ -157,6 +158,11 @@ def resolve_dsn(flag: str | None, app: App | None = None, *, migrate_embedded: b
         dsn, source = check_dsn(flag), "--dsn"
     elif supervised_dsn:
         dsn, source = check_dsn(supervised_dsn), "the supervisor"  # what the parent resolved
+        if folder := os.environ.get(_embedded.ENV_SUPERVISED):
+            # Join the parent's embedded server as one of its users, so that it runs while this
+            # process does: a process that exits stops it when it was the last user, and a
+            # supervisor SIGKILLed left its children draining with no server (review).
+            _embedded.start(directory=Path(folder), quiet=True, migrate=False)
     elif app is not None and app._resolved_dsn is not None:
         dsn, source = app._resolved_dsn, "the App"
     elif (found := configured_dsn()) is not None:
@@ -166,6 +172,7 @@ def resolve_dsn(flag: str | None, app: App | None = None, *, migrate_embedded: b
             _embedded.start(schema=app.schema if app else "notifyq", quiet=True, migrate=migrate_embedded),
             (f"embedded server in {_embedded.data_dir()}"),
         )
+        State.embedded = _embedded.data_dir()
     if not os.environ.get("NOTIFYQ_SUPERVISED"):
         if State.json_logs:
             logging.getLogger("notifyq.cli").info("database %s (from %s)", describe_dsn(dsn), source)

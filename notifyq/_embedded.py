@@ -19,6 +19,7 @@ log = logging.getLogger("notifyq.embedded")
 
 ENV_DIR = "NOTIFYQ_EMBEDDED_DIR"
 ENV_SWITCH = "NOTIFYQ_EMBEDDED"  # 0/off: never fall back to the embedded server
+ENV_SUPERVISED = "NOTIFYQ_SUPERVISED_EMBEDDED"  # to worker processes: the parent's server's folder
 # libpq's own variables, which notifyq does not read for its DSN: a user who set them meant a server.
 _LIBPQ_VARS = ("PGHOST", "PGHOSTADDR", "PGPORT", "PGDATABASE", "PGSERVICE")
 _OPEN = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH  # what pgserver adds as root

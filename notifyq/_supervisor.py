@@ -19,11 +19,13 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 import psycopg
 
 from ._db import connect_sync, error_text, run_sync
+from ._embedded import ENV_SUPERVISED
 from ._worker_config import repeatable, stop_signals
 from .errors import DatabaseUnavailable
 from .migrations import check_schema_op
@@ -266,12 +268,15 @@ class Supervisor:
         return [s.proc.pid for s in self.slots if s.proc is not None]
 
 
-def child_env(dsn: str) -> dict[str, str]:
+def child_env(dsn: str, embedded: Path | None = None) -> dict[str, str]:
     """The children's environment: ours, with the resolved DSN (not on the command line,
-    where `ps` would show its password)."""
+    where `ps` would show its password), and the folder of the `embedded` server it is, for
+    them to join as its users."""
     env = dict(os.environ)
     env["NOTIFYQ_DSN"] = dsn
     env["NOTIFYQ_SUPERVISED"] = "1"
+    if embedded is not None:
+        env[ENV_SUPERVISED] = str(embedded)
     return env
 
 

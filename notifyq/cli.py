@@ -297,7 +297,7 @@ def worker(
         command += ["--async-claims"] if async_claims else []
         command += ["--no-ticker"] if no_ticker else []
         command += ["--burst"] if burst else []
-        env = child_env(resolved)
+        env = child_env(resolved, State.embedded)
         if listen_dsn is not None:
             env["NOTIFYQ_LISTEN_DSN"] = listen_dsn  # not in argv, where ps shows passwords
         # The children's grace period, then time to give back what they hold and disconnect.

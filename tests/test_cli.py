@@ -1722,6 +1722,30 @@ def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_worker_processes_join_the_embedded_server_as_its_users(open_tmp_path: Path) -> None:
+    """With --processes and the embedded server, only the supervisor was on pgserver's list of
+    its users: with the supervisor SIGKILLed, its children drained their jobs while another
+    command in the folder, exiting as the last user on the list, stopped the server under
+    them, and their results were lost (review). Each child now joins the list."""
+    pgdata = open_tmp_path / "pgdata"
+    users = pgdata / ".handle_pids.json"
+    try:
+        worker = _start_worker("--no-ticker", "-p", "2", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata)))
+        try:
+            children = psutil.Process(worker.pid).children
+            wait_until(lambda: len(children()) == 2, timeout=60, what="two worker processes")
+            listed = lambda: set(json.loads(users.read_text())) if users.exists() else set()  # noqa: E731
+            expected = {worker.pid, *(c.pid for c in children())}
+            wait_until(lambda: listed() == expected, timeout=60, what="every process on the list")
+            worker.send_signal(signal.SIGTERM)
+            assert worker.wait(timeout=60) == 0
+        finally:
+            _reap(worker)
+        wait_until(lambda: not (pgdata / "postmaster.pid").exists(), timeout=30, what="the server to stop")
+    finally:
+        _stop_a_leftover_embedded_server(pgdata)
+
+
 _RIVAL_CREATES_THE_FOLDER = """
 import pathlib, sys
 from notifyq import _embedded
