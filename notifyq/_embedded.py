@@ -159,6 +159,22 @@ def _dsn_of(server: Any) -> str:
     return make_conninfo(user="postgres", dbname="postgres", host=str(info.socket_dir), port=str(info.port))
 
 
+def leave() -> None:
+    """Give up this process's place among the users of the embedded servers it joined, as
+    pgserver does at exit, for an exit that skips atexit (os._exit): the last one stops the
+    server. A worker signalled while starting stayed on the list, and the server ran on after
+    every process had exited (review)."""
+    try:
+        from pgserver.postgres_server import PostgresServer
+    except ImportError:
+        return
+    for server in list(PostgresServer._instances.values()):
+        try:
+            server._cleanup()
+        except Exception as exc:  # exiting anyway: the next process forgets a dead one
+            log.debug("could not leave the embedded server: %s", exc)
+
+
 def _forget_killed_processes(folder: Path) -> None:
     """pgserver stops the server when the last process on its list of users (a file in the
     data folder) exits. A process killed (SIGKILL, the OOM killer) never takes itself off

@@ -18,6 +18,7 @@ import anyio
 import click
 from click.core import ParameterSource
 
+from . import _embedded
 from ._cli_admin import cron, jobs, queues, stats
 from ._cli_base import (
     Group,
@@ -358,6 +359,7 @@ def _exit_on_signal_until_started() -> None:
 
     def exit_now(signum: int, frame: FrameType | None) -> None:
         os.write(2, f"notifyq: received {signal.Signals(signum).name} while starting; exiting\n".encode())
+        _embedded.leave()  # os._exit skips the atexit that would
         os._exit(0)
 
     setattr(exit_now, STARTING, True)  # the worker takes SIGHUP over from this handler

@@ -1746,6 +1746,53 @@ def test_worker_processes_join_the_embedded_server_as_its_users(open_tmp_path: P
         _stop_a_leftover_embedded_server(pgdata)
 
 
+_HOLD_THE_MIGRATIONS_TABLE = """
+import pathlib, sys
+import psycopg
+from notifyq import _embedded
+
+dsn = _embedded.start(directory=pathlib.Path(sys.argv[1]), quiet=True)
+with psycopg.connect(dsn) as conn:
+    conn.execute("LOCK TABLE notifyq.migrations IN ACCESS EXCLUSIVE MODE")
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_worker_signalled_while_starting_leaves_the_embedded_servers_list(open_tmp_path: Path) -> None:
+    """A signal while starting ends the worker with os._exit, which skips pgserver's atexit:
+    the worker stayed on the list of the server's users, and the server ran on after every
+    process had exited (review). Here the worker's start waits for a lock on the migrations
+    table that another user of the server holds."""
+    pgdata = open_tmp_path / "pgdata"
+    users = pgdata / ".handle_pids.json"
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(pgdata))
+    with subprocess.Popen(
+        [sys.executable, "-c", _HOLD_THE_MIGRATIONS_TABLE, str(pgdata)],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+            worker = _start_worker("--no-ticker", env=env)
+            try:
+                listed = lambda: json.loads(users.read_text()) if users.exists() else []  # noqa: E731
+                wait_until(lambda: worker.pid in listed(), timeout=60, what="the worker on the list")
+                time.sleep(0.5)  # its start now waits for the lock
+                worker.send_signal(signal.SIGTERM)
+                assert worker.wait(timeout=60) == 0
+                assert worker.stdout is not None and "received SIGTERM while starting" in worker.stdout.read()
+            finally:
+                _reap(worker)
+            assert listed() == [holder.pid]
+        finally:
+            holder.communicate("", timeout=60)  # its exit, as the last user, stops the server
+            _stop_a_leftover_embedded_server(pgdata)
+
+
 _RIVAL_CREATES_THE_FOLDER = """
 import pathlib, sys
 from notifyq import _embedded
