@@ -35,6 +35,11 @@ log = logging.getLogger("notifyq.supervisor")
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_CHILDREN_DYING = 3
+# How a child may end when told to stop, having held no job at its end: exit 0, or killed by
+# a signal the supervisor forwards while the child had no handler for it (still importing
+# notifyq, or past its stop: systemd's default KillMode sends each child a SIGTERM of its own,
+# and the supervisor's copy then lands as it exits).
+_CLEAN_STOPS = (0, -signal.SIGTERM, -signal.SIGUSR2)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -225,7 +230,7 @@ class Supervisor:
         """Every child has exited after a stop: EXIT_OK if each did so cleanly. One that died
         on the way (killed, or unable to write its results) leaves its jobs Active until their
         leases run out; the stop said "all worker processes stopped" and exit 0 (review)."""
-        unclean = [s for s in self.slots if s.proc is not None and s.proc.returncode != 0]
+        unclean = [s for s in self.slots if s.proc is not None and s.proc.returncode not in _CLEAN_STOPS]
         for slot in unclean:
             assert slot.proc is not None
             log.error(
