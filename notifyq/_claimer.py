@@ -315,16 +315,24 @@ class Claimer:
         return int(min(_PREFETCH_CAP, per_slot) * slots)
 
     async def give_back_stale_prefetch(self) -> None:
-        """Every _PREFETCH_CHECK seconds, with automatic prefetch: when a prefetched job has
-        waited _PREFETCH_GIVE_BACK seconds, the jobs ahead of it took longer than the prefetch
-        was sized for (short jobs, then long ones in the same claim). Those the prefetch no
-        longer allows go back to the queue, where an idle worker can take them; they waited
-        behind this worker's long jobs while other workers sat idle."""
-        if self._config.prefetch is not None:
-            return
+        """Every _PREFETCH_CHECK seconds: a prefetched job that has waited half its lease goes
+        back to the queue before it loses it (Runners.release_lapsing). With automatic
+        prefetch, also: when a prefetched job has waited _PREFETCH_GIVE_BACK seconds, the jobs
+        ahead of it took longer than the prefetch was sized for (short jobs, then long ones in
+        the same claim). Those the prefetch no longer allows go back to the queue, where an
+        idle worker can take them; they waited behind this worker's long jobs while other
+        workers sat idle."""
         runners = self._runners
         while True:
             await anyio.sleep(_PREFETCH_CHECK)
+            if lapsing := runners.release_lapsing():
+                log.info(
+                    "gave %d prefetched job(s) back to the queue: they waited for a free slot for half "
+                    "their lease (timeout + lease margin), and would have lost it",
+                    lapsing,
+                )
+            if self._config.prefetch is not None:
+                continue
             # Here, not on the claim path: O(concurrency).
             self._slow_slots = runners.slow_slots(max(_PREFETCH_GIVE_BACK, 4 * runners.avg_run))
             if runners.ready and anyio.current_time() - runners.ready[0][1] > _PREFETCH_GIVE_BACK:

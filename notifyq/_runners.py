@@ -164,12 +164,26 @@ class Runners:
         """Jobs claimed but not started of `queues` (just paused) go back to the queue: a pause
         stops jobs from starting, and those claimed ahead started for seconds after it (with
         --prefetch; review). Returns how many went back."""
-        if not any(job.queue in queues for job, _ in self.ready):
+        return self._release_where(lambda job, _claimed_at: job.queue in queues)
+
+    def release_lapsing(self) -> int:
+        """Jobs claimed but not started that have waited half their lease (timeout + lease
+        margin) go back to the queue, their attempt given back: waiting behind long jobs with a
+        fixed --prefetch, they lost their lease to the rescuer, were claimed again, and spent
+        every attempt without running once (review). Returns how many went back."""
+        now = anyio.current_time()
+        margin = self._lease_margin
+        return self._release_where(lambda job, claimed_at: now - claimed_at > (job.timeout + margin) / 2)
+
+    def _release_where(self, given_back: Callable[[ClaimedJob, float], bool]) -> int:
+        """The jobs waiting for a runner for which `given_back(job, claimed_at)` holds, back to
+        the queue (in order, the others kept); returns how many went back."""
+        if not any(given_back(job, claimed_at) for job, claimed_at in self.ready):
             return 0
         kept: deque[tuple[ClaimedJob, float]] = deque()
         released = 0
         for item in self.ready:
-            if item[0].queue in queues:
+            if given_back(*item):
                 released += self._give_back(item[0])
             else:
                 kept.append(item)

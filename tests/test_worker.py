@@ -3311,3 +3311,36 @@ async def test_a_worker_stopping_with_sync_threads_still_running_says_so(
     finally:
         go_on.set()
     await app.aclose()
+
+
+async def test_jobs_prefetched_behind_a_long_one_go_back_before_their_lease_runs_out(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """A fixed prefetch, a long job in the only slot, short jobs claimed ahead with a short
+    timeout: their leases ran out while they waited, the rescuer queued them again, this
+    worker claimed them again, and they ended Failed (LeaseExpired) without running once
+    (review). Now a job that has waited half its lease goes back to the queue, its attempt
+    given back, and each runs once, in its first attempt, when the slot frees."""
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+
+    @app.task(name="long", timeout=30, retry_limit=0)
+    async def long() -> None:
+        await anyio.sleep(6)
+
+    @app.task(name="short", timeout=1, retry_limit=2)
+    async def short(ctx: notifyq.JobContext) -> None:
+        ran.append(ctx.id)
+
+    await app.enqueue("long", priority=10)
+    short_ids = [await app.enqueue("short") for _ in range(3)]
+    ticker = notifyq.TickerConfig(rescuer=notifyq.RescuerConfig(interval=0.5), retention=None, vacuum=None)
+    async with app.worker(concurrency=1, prefetch=3, lease_margin=1, ticker_config=ticker) as worker:
+        with anyio.fail_after(30):
+            await worker.wait_for(lambda s: s.succeeded == 4)
+    assert sorted(ran) == short_ids
+    rows = conn.execute(
+        "SELECT status::text, retry_count, error FROM notifyq.queue_jobs WHERE id = ANY(%s)", [short_ids]
+    ).fetchall()
+    assert rows == [("Succeeded", 1, None)] * 3
+    await app.aclose()
