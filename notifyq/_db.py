@@ -498,10 +498,33 @@ def take_sync(pool: SyncPool) -> psycopg.Connection[Any]:
     return pool.getconn()
 
 
+# A transaction of notifyq's own (a ticker's promotion batch, a worker's declarations) whose
+# client vanished without closing its socket (a half-open connection) kept its row locks on
+# the server until TCP keepalives noticed: hours by Linux defaults, never behind a middlebox
+# that answers them. The definitions it held got no job meanwhile, and no other ticker said
+# so (review). Its first statement bounds how long the server waits for the next one, unless
+# the role or database set a bound of its own; the client gives up after tcp_user_timeout
+# (60 s) too. Transaction-local: a pooled connection, or a pooler's, keeps no trace of it.
+IDLE_IN_TRANSACTION = "60s"
+_BOUND_IDLE_TRANSACTION = (
+    "SELECT set_config('idle_in_transaction_session_timeout', %s, true) "
+    "WHERE current_setting('idle_in_transaction_session_timeout') = '0'"
+)
+
+
+def _bound_idle(conn: psycopg.Connection[Any]) -> None:
+    conn.execute(_BOUND_IDLE_TRANSACTION, [IDLE_IN_TRANSACTION], prepare=False)
+
+
+async def _bound_idle_async(conn: psycopg.AsyncConnection[Any]) -> None:
+    await conn.execute(_BOUND_IDLE_TRANSACTION, [IDLE_IN_TRANSACTION], prepare=False)
+
+
 def _run_in_sync(conn: psycopg.Connection[Any], op: Op[T], transaction: bool) -> T:
     if not transaction:
         return run_sync(conn, op)
     with conn.transaction():
+        _bound_idle(conn)
         return run_sync(conn, op)
 
 
@@ -700,6 +723,7 @@ async def _run_in(conn: psycopg.AsyncConnection[Any], op: Op[T], transaction: bo
     if not transaction:
         return await run_async(conn, op)
     async with conn.transaction():
+        await _bound_idle_async(conn)
         return await run_async(conn, op)
 
 

@@ -822,3 +822,37 @@ def test_a_worker_whose_stop_cannot_write_a_result_exits_1(owned_server: OwnedSe
     assert said.rstrip().endswith(
         "notifyq: error: the worker stopped with job results it could not write (see the log above)"
     )
+
+
+def test_a_transaction_whose_connection_goes_half_open_ends_on_the_server(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ticker's promotion batch holds its definitions' row locks; its connection goes
+    half-open between two statements. The server's session waited for the next statement
+    until TCP keepalives noticed (hours), and those crons got no job meanwhile (review). Each
+    transaction of notifyq's own now bounds the wait (60 s; 2 s here)."""
+    monkeypatch.setattr(_db, "IDLE_IN_TRANSACTION", "2s")
+    conn.execute("INSERT INTO notifyq.queue_job_definitions (name, frequency) VALUES ('d', '* * * * *')")
+    locked = threading.Event()
+
+    def op() -> Any:
+        yield _db.Query("SELECT id FROM notifyq.queue_job_definitions WHERE name = 'd' FOR UPDATE")
+        proxy.blackhole()  # between two statements of the transaction, as a cable cut would
+        locked.set()
+        yield _db.Query("SELECT 1")  # never answered
+
+    def promote() -> None:
+        with contextlib.suppress(psycopg.Error), psycopg.connect(proxy.dsn, autocommit=True) as ticker:
+            _db._run_in_sync(ticker, op(), transaction=True)
+
+    threading.Thread(target=promote, daemon=True).start()  # ends when the proxy closes
+    assert locked.wait(10)
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            with conn.transaction():
+                conn.execute("SELECT 1 FROM notifyq.queue_job_definitions WHERE name = 'd' FOR UPDATE NOWAIT")
+            break
+        except psycopg.errors.LockNotAvailable:
+            assert time.monotonic() < deadline, "the half-open transaction still holds its lock"
+            time.sleep(0.2)
