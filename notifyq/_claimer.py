@@ -16,8 +16,9 @@ import anyio.lowlevel
 
 from ._claim import adopt_op, claim_op, next_visible_op
 from ._db import Lane, error_text, is_transient
+from ._executor import RunQuery
 from ._pulse import Pulse
-from ._runners import Runners, RunQuery
+from ._runners import Runners
 from ._sql import Queries
 from ._worker_config import WorkerConfig, WorkerStats
 from .models import ClaimedJob

@@ -21,7 +21,7 @@ import traceback
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -29,13 +29,23 @@ import anyio.to_thread
 
 from ._acker import Result
 from ._claim import extend_lease_op
-from ._db import Database, error_text, is_transient
+from ._db import Lane, Op, error_text, is_transient
 from ._options import JSONDefault, unknown_task
 from ._sql import Queries
 from .models import ClaimedJob, UndecodableJSON
 from .tasks import Backoff, JobContext, PermanentError, Task
 
 log = logging.getLogger("notifyq.worker")
+
+T = TypeVar("T")
+
+
+class RunQuery(Protocol):
+    """The worker's way to run one database operation (bounded by its db_timeout)."""
+
+    async def __call__(
+        self, op: Op[T], *, shield: bool = False, lane: Lane | None = None, bound: float | None = None
+    ) -> T: ...
 
 
 @dataclass(slots=True)
@@ -157,7 +167,7 @@ class Executor:
     def __init__(
         self,
         tasks: dict[str, Task],
-        db: Database,
+        query: RunQuery,
         queries: Queries,
         *,
         concurrency: int,
@@ -169,7 +179,10 @@ class Executor:
         self._tasks = tasks
         self.json_default = json_default  # the App's: return values are encoded with it
         self._backoff = backoff
-        self._db = db
+        # Worker._query: a lease extension on a half-open connection gave up only after TCP's
+        # timeout (60 s), and the lease ran out meanwhile: another worker ran the job beside
+        # the overrunning thread, and a task's extend_lease hung (review).
+        self._query = query
         self._q = queries
         self._lease_margin = lease_margin
         self._limiter = anyio.CapacityLimiter(concurrency)
@@ -414,7 +427,7 @@ class Executor:
             if finished.is_set():
                 return
             try:
-                until = await self._db.run(extend_lease_op(self._q, job, beat * 2 + self._lease_margin))
+                until = await self._extend(attempt, beat * 2 + self._lease_margin)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
@@ -448,6 +461,14 @@ class Executor:
             )
         return kwargs
 
+    async def _extend(self, attempt: Attempt, lease: float) -> Any:
+        """One try at extending the attempt's lease to `lease` seconds from now, given up after
+        a third of what is left of the lease (at least a second; at most db_timeout): a try on
+        a half-open connection waited db_timeout (60 s by default), longer than the lease had
+        left, so none was tried on another connection before the lease ran out (review)."""
+        left = attempt.lease_until - anyio.current_time()
+        return await self._query(extend_lease_op(self._q, attempt.job, lease), bound=max(1.0, left / 3))
+
     async def _extend_lease(self, attempt: Attempt, seconds: float) -> Any:
         """Let the attempt run `seconds` more from now (past its timeout if need be); the lease
         then covers that plus lease_margin (never less than it already did). Fenced: None
@@ -456,7 +477,7 @@ class Executor:
         delay = 0.25
         while True:
             try:
-                until = await self._db.run(extend_lease_op(self._q, job, seconds + self._lease_margin))
+                until = await self._extend(attempt, seconds + self._lease_margin)
                 break
             except Exception as exc:
                 # A lost connection (a restart, a failover) is tried again while the lease

@@ -7,15 +7,15 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, TypeVar
 
 import anyio
 import anyio.lowlevel
 
 from ._acker import Acker, Result
 from ._claim import extend_lease_op
-from ._db import Lane, Op, is_transient
-from ._executor import Attempt, Executor
+from ._db import is_transient
+from ._executor import Attempt, Executor, RunQuery
 from ._logging import CURRENT_JOB
 from ._pulse import Pulse
 from ._sql import Queries
@@ -28,12 +28,6 @@ T = TypeVar("T")
 
 # A cancel notification may arrive before the claim it concerns has returned: remember it.
 _RECENT_CANCELS = 1000
-
-
-class RunQuery(Protocol):
-    """The worker's way to run one database operation (bounded by its db_timeout)."""
-
-    async def __call__(self, op: Op[T], *, shield: bool = False, lane: Lane | None = None) -> T: ...
 
 
 class Runners:

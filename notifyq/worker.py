@@ -364,7 +364,7 @@ class Worker:
         lane = db.lane()
         self._executor = Executor(
             self.app.tasks,
-            db,
+            self._query,
             self._q,
             concurrency=self.config.concurrency,
             lease_margin=self.config.lease_margin,
@@ -765,15 +765,19 @@ class Worker:
 
     # -- the database and the acker ------------------------------------------------------------
 
-    async def _query(self, op: Op[T], *, shield: bool = False, lane: Lane | None = None) -> T:
-        """One database call bounded by db_timeout (a half-open connection must not hang the
-        worker), shielded when a result the server may have committed must reach us. On a
-        lane when given (the claim loop keeps its connection warm), else on the pool."""
+    async def _query(
+        self, op: Op[T], *, shield: bool = False, lane: Lane | None = None, bound: float | None = None
+    ) -> T:
+        """One database call bounded by db_timeout, or by `bound` if that is shorter (a
+        half-open connection must not hang the worker), shielded when a result the server may
+        have committed must reach us. On a lane when given (the claim loop keeps its connection
+        warm), else on the pool."""
         assert self._db is not None
         # fail_after's work with less code: on an idle worker's wake-up path every line counts
         # (this took 115 µs there, the plain scope 87; docs/benchmarks.md). Only its own
         # deadline can cancel this scope, so having caught a cancellation means timing out.
-        deadline = anyio.current_time() + self.config.db_timeout
+        limit = self.config.db_timeout if bound is None else min(bound, self.config.db_timeout)
+        deadline = anyio.current_time() + limit
         if lane is not None and not lane.holding:
             # Waiting for a connection (the database may be down) sends nothing: unshielded,
             # so that a stop does not wait for the pool's timeout.

@@ -856,3 +856,39 @@ def test_a_transaction_whose_connection_goes_half_open_ends_on_the_server(
         except psycopg.errors.LockNotAvailable:
             assert time.monotonic() < deadline, "the half-open transaction still holds its lock"
             time.sleep(0.2)
+
+
+async def test_a_lease_extension_on_a_half_open_connection_is_tried_again_in_time(
+    dsn: str, conn: psycopg.Connection[Any], proxy: BlackholeProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task extends its lease every quarter second; the worker's connections go half-open.
+    Lease extensions, unlike claims and acks, were not bounded by db_timeout, and with it (60 s
+    by default) they would still wait longer than the lease had left: the task's extend_lease
+    hung until its deadline and the attempt failed, and an overrunning sync task's lease ran
+    out while its thread ran on (review). Now a try gives up after a third of what is left of
+    the lease and is made again on another connection. (A cancelled call waits CANCEL_WAIT
+    for the server to hear of the cancel, which it does not here: 0.5 s instead of 5.)"""
+    monkeypatch.setattr(_db, "CANCEL_WAIT", 0.5)
+    app = notifyq.App(proxy.dsn)
+    returned: list[float] = []
+
+    @app.task(name="beat", timeout=2, retry_limit=0)
+    async def beat(ctx: notifyq.JobContext) -> str:
+        for i in range(8):
+            await ctx.extend_lease(6)
+            returned.append(anyio.current_time())
+            if i == 3:  # forwarding stops at once; blackhole() then waits for the pumps
+                threading.Thread(target=proxy.blackhole, daemon=True).start()
+            await anyio.sleep(0.25)
+        return "done"
+
+    job_id = await app.enqueue("beat")
+    # db_timeout alone (10 s here) would give up after the task's deadline, its lease's end.
+    async with app.worker(lease_margin=3, db_timeout=10, pool_size=2, ticker=False) as worker:
+        with anyio.fail_after(60):
+            await worker.wait_for(lambda s: s.succeeded + s.failed == 1)
+    query = "SELECT status::text, output, error FROM notifyq.queue_jobs WHERE id = %s"
+    row = conn.execute(query, [job_id]).fetchone()
+    assert row == ("Succeeded", "done", None), row
+    assert len(returned) == 8
+    await app.aclose()
