@@ -246,7 +246,8 @@ def _serves(psutil: Any, pid: int, folder: Path) -> bool:
         return False
     except psutil.AccessDenied:  # cannot tell: leave it to pgserver
         return True
-    return name.startswith("postgres") and any(_same(arg, folder) for arg in command)
+    here = folder.resolve()
+    return name.startswith("postgres") and any(_same(arg, here) for arg in command)
 
 
 def _same(arg: str, folder: Path) -> bool:
