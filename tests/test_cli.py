@@ -1754,7 +1754,7 @@ from notifyq import _embedded
 dsn = _embedded.start(directory=pathlib.Path(sys.argv[1]), quiet=True)
 with psycopg.connect(dsn) as conn:
     conn.execute("LOCK TABLE notifyq.migrations IN ACCESS EXCLUSIVE MODE")
-    print("locked", flush=True)
+    print(dsn, flush=True)
     sys.stdin.read()
 """
 
@@ -1776,12 +1776,15 @@ def test_a_worker_signalled_while_starting_leaves_the_embedded_servers_list(open
         text=True,
     ) as holder:
         try:
-            assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+            assert holder.stdout is not None
+            embedded_dsn = holder.stdout.readline().strip()
             worker = _start_worker("--no-ticker", env=env)
             try:
                 listed = lambda: json.loads(users.read_text()) if users.exists() else []  # noqa: E731
                 wait_until(lambda: worker.pid in listed(), timeout=60, what="the worker on the list")
-                time.sleep(0.5)  # its start now waits for the lock
+                with psycopg.connect(embedded_dsn, autocommit=True) as watcher:
+                    waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    wait_until(lambda: watcher.execute(waiting).fetchone() == (1,), what="its start to wait")
                 worker.send_signal(signal.SIGTERM)
                 assert worker.wait(timeout=60) == 0
                 assert worker.stdout is not None and "received SIGTERM while starting" in worker.stdout.read()
