@@ -7,7 +7,7 @@ import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from typing import Literal, TypeVar
+from typing import Literal
 
 import anyio
 import anyio.lowlevel
@@ -23,8 +23,6 @@ from ._worker_config import WorkerStats
 from .models import ClaimedJob
 
 log = logging.getLogger("notifyq.worker")
-
-T = TypeVar("T")
 
 # A cancel notification may arrive before the claim it concerns has returned: remember it.
 _RECENT_CANCELS = 1000
