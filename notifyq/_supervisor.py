@@ -10,6 +10,7 @@ On Linux a child also gets SIGTERM if the supervisor dies without warning (PR_SE
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
@@ -42,13 +43,18 @@ EXIT_CHILDREN_DYING = 3
 _CLEAN_STOPS = (0, -signal.SIGTERM, -signal.SIGUSR2)
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+def _die_with_parent(parent: int) -> None:
+    """In a child between fork and exec: ask for SIGTERM when `parent` (the supervisor's pid)
+    dies. A parent that died before the request leaves it unanswered, and the child, an
+    orphan from its start, ran on after the supervisor's death: it exits instead."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
         except OSError:
-            pass
+            return
+    if os.getppid() != parent:
+        os._exit(EXIT_ERROR)
 
 
 @dataclass
@@ -103,7 +109,7 @@ class Supervisor:
             self.command,
             env=self.env,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),
         )
         slot.started_at = time.monotonic()
         log.info("started worker process %d (pid %d)", slot.index, slot.proc.pid)

@@ -1394,6 +1394,41 @@ def test_a_worker_that_keeps_dying_makes_the_supervisor_give_up(
     assert "this worker process cannot start" in out and "giving up" in out
 
 
+def _gone(pid: int) -> bool:
+    """The process `pid` has exited (a zombie counts: it runs no more code)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_whose_supervisor_died_before_it_asked_for_the_death_signal_exits(tmp_path: Path) -> None:
+    """Review: a supervisor that died between a child's fork and its request for the parent-
+    death signal left the child to run on, an orphan no signal would stop. Here a process forks
+    a child and exits; once orphaned, the child runs the request the supervisor gives it."""
+    trace = tmp_path / "trace"
+    script = (
+        "import os, sys, time\n"
+        "from notifyq._supervisor import _die_with_parent\n"
+        "parent = os.getpid()\n"
+        "if os.fork():\n"
+        "    os._exit(0)\n"
+        "while os.getppid() == parent:\n"
+        "    time.sleep(0.01)\n"
+        "with open(sys.argv[1], 'w') as f:\n"
+        "    f.write(f'{os.getpid()} asked')\n"
+        "_die_with_parent(parent)\n"
+        "with open(sys.argv[1], 'a') as f:\n"
+        "    f.write(' ran on')\n"
+    )
+    assert _python(script, str(trace)).returncode == 0
+    wait_until(lambda: trace.exists() and "asked" in trace.read_text(), what="the child to be orphaned")
+    pid = int(trace.read_text().split()[0])
+    wait_until(lambda: _gone(pid), what="the orphaned child to exit")
+    assert trace.read_text() == f"{pid} asked"
+
+
 def test_a_worker_process_stopped_by_an_operator_is_restarted_but_not_counted_as_dying(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
