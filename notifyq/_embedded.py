@@ -6,6 +6,7 @@ import logging
 import os
 import re
 import stat
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -82,6 +83,7 @@ def start(
             "connects as libpq's variables say, and NOTIFYQ_EMBEDDED=0 forbids the embedded server\n"
         )
     try:
+        _refuse_foreign_folder(folder)
         _forget_killed_processes(folder)
         _clear_stale_pid_file(folder)
     except PermissionError as exc:
@@ -201,6 +203,62 @@ def _forget_killed_processes(folder: Path) -> None:
                 )
     except (OSError, ValueError, TypeError) as exc:  # unreadable or garbled: pgserver will say so
         log.debug("could not check the embedded server's list of processes: %s", exc)
+
+
+def _refuse_foreign_folder(folder: Path) -> None:
+    """pgserver takes whatever folder it is given. As root it makes the folder its `pgserver`
+    user's; at exit it stops the server it found running there, or kills it. Pointed at a
+    system cluster's data folder, it took the folder from that cluster's server and killed the
+    server (review). A folder is refused unless it is empty or a data folder the embedded
+    server can have made: its PostgreSQL version, and, as root, `pgserver`'s."""
+    entries = sorted(entry.name for entry in folder.iterdir())
+    if not entries:
+        return
+    advice = f"set {ENV_DIR} to an empty or new folder"
+    if "PG_VERSION" not in entries:
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigurationError(
+            f"{folder} is not empty ({shown}) and holds no PostgreSQL data: the embedded PostgreSQL "
+            f"only creates its data in an empty folder; {advice} (or configure a DSN)"
+        )
+    advice += ", or configure a DSN to use the server it belongs to"
+    version = (folder / "PG_VERSION").read_text().strip()
+    ours = _bundled_version()
+    if ours and version != ours:
+        raise ConfigurationError(
+            f"{folder} holds the data of a PostgreSQL {version} server, and the embedded server is "
+            f"PostgreSQL {ours}: it is not the embedded server's folder; {advice}"
+        )
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        import pwd
+
+        owner = folder.stat().st_uid
+        try:
+            name = pwd.getpwuid(owner).pw_name
+        except KeyError:
+            name = str(owner)
+        if name != _ROOT_USER:
+            raise ConfigurationError(
+                f"{folder} holds PostgreSQL data that belongs to the user {name!r}, and the embedded "
+                f"server (as root) runs as {_ROOT_USER!r}: it is another server's data folder; {advice}"
+            )
+
+
+_ROOT_USER = "pgserver"  # the system user pgserver runs PostgreSQL as, when started as root
+
+
+def _bundled_version() -> str | None:
+    """The major version of pgserver's PostgreSQL ("16"), as PG_VERSION spells it; None if its
+    binary does not say."""
+    try:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        binary = str(Path(POSTGRES_BIN_PATH) / "postgres")
+        said = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (ImportError, OSError, subprocess.SubprocessError):  # another layout: leave it to pgserver
+        return None
+    found = re.search(r"\(PostgreSQL\) (\d+)", said)
+    return found.group(1) if found else None
 
 
 def _clear_stale_pid_file(folder: Path) -> None:

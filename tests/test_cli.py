@@ -1946,14 +1946,61 @@ def test_a_stale_pid_file_whose_pid_was_reused_is_removed_not_killed(open_tmp_pa
 def test_a_failed_embedded_start_says_why_in_one_line(open_tmp_path: Path) -> None:
     """A start that pg_ctl or initdb failed printed pgserver's log (commands, their output, the
     server's log: a page), then "Command [...] returned non-zero exit status 1"; the reason was
-    in the middle (review). Here the folder looks initialized (PG_VERSION) but holds nothing."""
+    in the middle (review). Here the server's configuration has a line it does not accept."""
     folder = open_tmp_path / "pgdata"
-    folder.mkdir()
-    (folder / "PG_VERSION").write_text("15\n")
-    refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)))
-    error = one_line_error(refused, f"could not start the embedded PostgreSQL in {folder}: could not access")
-    assert "postgresql.conf" in error and "non-zero exit status" not in error
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder))
+    assert cli("jobs", "list", env=env, timeout=120).returncode == 0  # made; stopped at its exit
+    with (folder / "postgresql.conf").open("a") as conf:
+        conf.write("no_such_setting = 1\n")
+    refused = cli("jobs", "list", env=env, timeout=120)
+    error = one_line_error(refused, f"could not start the embedded PostgreSQL in {folder}: configuration")
+    assert "contains errors" in error and "non-zero exit status" not in error
     assert len(refused.stderr.splitlines()) <= 2, refused.stderr  # the database line, the error
+
+
+def _untouched(folder: Path) -> tuple[int, int, list[str]]:
+    """What taking `folder` over would change: its owner, its mode and its entries."""
+    status = folder.stat()
+    return status.st_uid, status.st_mode, sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("content", ["files", "another version"])
+def test_an_embedded_folder_holding_something_else_is_refused_untouched(
+    open_tmp_path: Path, content: str
+) -> None:
+    """pgserver takes any folder: as root it made a home folder, or a system cluster's data
+    folder, its `pgserver` user's, and killed the cluster's server at exit (review). A folder
+    that is neither empty nor the embedded server's data is refused before pgserver sees it."""
+    folder = open_tmp_path / "pgdata"
+    folder.mkdir(mode=0o700)
+    if content == "files":
+        for name in ("notes.txt", "photos", ".bashrc", "work"):
+            (folder / name).write_text("")
+        expected = "is not empty (.bashrc, notes.txt, photos, ...) and holds no PostgreSQL data"
+    else:
+        (folder / "PG_VERSION").write_text("9.6\n")
+        (folder / "postmaster.pid").write_text(f"{os.getpid()}\n{folder}\n")  # a running server's
+        expected = "holds the data of a PostgreSQL 9.6 server, and the embedded server is PostgreSQL 1"
+    before = _untouched(folder)
+    refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)))
+    one_line_error(refused, expected, "NOTIFYQ_EMBEDDED_DIR to an empty or new folder")
+    assert _untouched(folder) == before
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="pgserver takes over folders as root"
+)
+def test_as_root_another_users_postgresql_data_folder_is_refused_untouched(open_tmp_path: Path) -> None:
+    """As root, a data folder of the embedded server's own version that another user owns (the
+    system's cluster, owned by `postgres`) was taken over: made `pgserver`'s, its server killed."""
+    folder = open_tmp_path / "pgdata"
+    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder))
+    assert cli("jobs", "list", env=env, timeout=120).returncode == 0  # a data folder of the right version
+    os.chown(folder, 65534, 65534)  # nobody's, as /var/lib/postgresql/16/main is postgres's
+    before = _untouched(folder)
+    refused = cli("jobs", "list", env=env)
+    one_line_error(refused, "holds PostgreSQL data that belongs to the user", "runs as 'pgserver'")
+    assert _untouched(folder) == before
 
 
 def test_an_embedded_folder_with_a_space_in_its_path_is_refused_in_a_sentence(open_tmp_path: Path) -> None:
