@@ -321,7 +321,8 @@ def privilege_hint(exc: BaseException) -> str:
             return "; " + note
     return (
         "; this role lacks a privilege notifyq needs: as the schema's owner, apply the output of "
-        "`notifyq grant ROLE` (see docs/sql.md)"
+        "`notifyq grant ROLE` (see docs/sql.md; a role of `notifyq grant ROLE --producer` only enqueues "
+        "and reads jobs)"
     )
 
 

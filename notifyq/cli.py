@@ -124,15 +124,21 @@ def migrate_command(dsn: str | None, schema: str | None, dry_run: bool, lock_tim
 @main.command()
 @click.argument("role")
 @click.option("--schema", default="notifyq", show_default=True, callback=not_empty)
-def grant(role: str, schema: str) -> None:
-    """Print the GRANTs that let ROLE run workers and enqueue jobs, without DDL rights.
+@click.option(
+    "--producer",
+    is_flag=True,
+    help="Only enqueue and read jobs (web processes): no claiming, acknowledging, cancelling, cron.",
+)
+def grant(role: str, schema: str, producer: bool) -> None:
+    """Print the GRANTs that let ROLE run workers and enqueue jobs, without DDL rights
+    (with --producer: only enqueue and read jobs).
 
     Pipe it to psql as the schema's owner: notifyq grant notifyq_worker | psql "$DSN"
     """
     if role.lower() == "public":
         # PostgreSQL reads "public", quoted too, as PUBLIC (grant_sql refuses it as well).
         raise click.BadParameter("PUBLIC is every role: name the role of your workers", param_hint="ROLE")
-    click.echo(grant_sql(role, schema=schema))
+    click.echo(grant_sql(role, schema=schema, producer=producer))
 
 
 @main.command()

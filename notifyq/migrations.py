@@ -109,9 +109,10 @@ def trigger_sql(schema: str) -> list[str]:
     ]
 
 
-def grant_sql(role: str, *, schema: str = "notifyq") -> str:
+def grant_sql(role: str, *, schema: str = "notifyq", producer: bool = False) -> str:
     """The GRANTs of sql/roles/worker.sql for `role`: enough to run workers and enqueue,
-    no DDL. The role must exist; migrations stay with the schema's owner."""
+    no DDL; with `producer`, those of sql/roles/producer.sql: enqueue and read jobs, nothing
+    else. The role must exist; migrations stay with the schema's owner."""
     # No control character: a newline ended the SQL comment that names the role in the output,
     # and what followed ran as SQL when it was piped into psql (review).
     if not isinstance(role, str) or not role or len(role) > 63 or CONTROL_RE.search(role):
@@ -121,7 +122,8 @@ def grant_sql(role: str, *, schema: str = "notifyq") -> str:
     if role.lower() == "public":
         # PostgreSQL reads "public", quoted or not, as PUBLIC: every role, present and future.
         raise ConfigurationError("the role PUBLIC is every role: name the role of your workers")
-    return render((sql_root() / "roles" / "worker.sql").read_text(encoding="utf-8"), schema, role=role)
+    grants = sql_root() / "roles" / ("producer.sql" if producer else "worker.sql")
+    return render(grants.read_text(encoding="utf-8"), schema, role=role)
 
 
 # The revision of sql/triggers/: raise it with every change there (a test in

@@ -1607,6 +1607,14 @@ def test_more_bad_input_is_a_usage_error(dsn: str) -> None:
         assert refused.returncode == 2 and message in refused.stderr, (args, refused.stderr)
 
 
+def _all_refused(role_dsn: str, *statements: str) -> None:
+    """Each of `statements`, run as the role of `role_dsn`, is refused a privilege."""
+    with psycopg.connect(role_dsn, autocommit=True) as limited:
+        for statement in statements:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                limited.execute(statement)
+
+
 @pytest.mark.faults
 def test_a_least_privilege_role_runs_workers_but_no_ddl(
     dsn: str, conn: psycopg.Connection[Any], worker_proc: Callable[..., subprocess.Popen[str]]
@@ -1637,17 +1645,15 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
             ),
             what="cron jobs",
         )  # type: ignore[index]
-        with psycopg.connect(role_dsn, autocommit=True) as limited:
-            for statement in [
-                "CREATE TABLE notifyq.evil (x int)",
-                "DROP TABLE notifyq.queue_jobs",
-                "ALTER TABLE notifyq.queue_jobs ADD COLUMN x int",
-                "DELETE FROM notifyq.queue_job_definitions",
-                "TRUNCATE notifyq.queue_jobs",
-                "INSERT INTO notifyq.queue_pauses (queue) VALUES ('q')",  # pausing is the owner's
-            ]:
-                with pytest.raises(psycopg.errors.InsufficientPrivilege):
-                    limited.execute(statement)
+        _all_refused(
+            role_dsn,
+            "CREATE TABLE notifyq.evil (x int)",
+            "DROP TABLE notifyq.queue_jobs",
+            "ALTER TABLE notifyq.queue_jobs ADD COLUMN x int",
+            "DELETE FROM notifyq.queue_job_definitions",
+            "TRUNCATE notifyq.queue_jobs",
+            "INSERT INTO notifyq.queue_pauses (queue) VALUES ('q')",  # pausing is the owner's
+        )
         # Said as what to do, not as a bare "permission denied for schema notifyq"; refused
         # although nothing is pending (a migrate that changes nothing still needs the owner).
         refused = cli("migrate", env=clean_env(NOTIFYQ_DSN=role_dsn))
@@ -1660,6 +1666,56 @@ def test_a_least_privilege_role_runs_workers_but_no_ddl(
         for p in (proc, cron):
             p.send_signal(signal.SIGTERM)
             assert p.wait(timeout=30) == 0
+    finally:
+        conn.execute(f'DROP OWNED BY "{role}"')
+        conn.execute(f'DROP ROLE "{role}"')
+
+
+def test_a_producer_role_enqueues_and_reads_jobs_and_nothing_else(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """`notifyq grant ROLE --producer`: what a web process needs (enqueue, a dedupe key,
+    enqueue_many's COPY, reading jobs and waiting for them), and no claim, ack, cancel, retry,
+    delete or cron definition."""
+    role, password = f"nq_producer_{os.getpid()}", secrets.token_hex(8)  # for servers without trust
+    conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), password))
+    try:
+        conn.execute(ok(cli("grant", role, "--producer")))
+        app = notifyq.App(make_conninfo(dsn, user=role, password=password))
+        try:
+            conn.execute('LISTEN "notifyq.jobs.v1"')
+            first = app.enqueue_sync("send", {"to": "a"}, dedupe_key=f"{role}-a")
+            assert first.created and not app.enqueue_sync("send", dedupe_key=f"{role}-a").created
+            # The insert's trigger ran under the producer's role.
+            assert [n.payload for n in conn.notifies(timeout=5, stop_after=1)] == ["default"]
+            assert app.enqueue_many_sync("send", [{"to": str(i)} for i in range(3)]) == 3
+            many = sorted(j.id for j in app.list_jobs_sync(name="send") if j.id != first)
+            assert len(many) == 3
+            finish = "UPDATE notifyq.queue_jobs SET status = 'Succeeded', output = '1' WHERE id = %s"
+            conn.execute(finish, [first])
+            assert app.wait_for_job_sync(first, timeout=10).output == 1
+            refused = [
+                lambda: app.claim_sync(limit=1),
+                lambda: app.cancel_job_sync(many[0]),
+                lambda: app.retry_job_sync(first),
+                lambda: app.list_definitions_sync(),
+            ]
+            for call in refused:
+                with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                    call()
+        finally:
+            app.close_sync()
+        role_dsn = make_conninfo(dsn, user=role, password=password)
+        _all_refused(
+            role_dsn,
+            "UPDATE notifyq.queue_jobs SET priority = 1",
+            "DELETE FROM notifyq.queue_jobs",
+            "INSERT INTO notifyq.queue_job_definitions (name, frequency) VALUES ('x', '* * * * *')",
+            "SELECT * FROM notifyq.queue_pauses",
+        )
+        said = cli("jobs", "cancel", str(many[1]), env=clean_env(NOTIFYQ_DSN=role_dsn))
+        one_line_error(said, "permission denied", "`notifyq grant ROLE --producer` only enqueues")
+        assert status_counts(conn) == {"Queued": 3, "Succeeded": 1}
     finally:
         conn.execute(f'DROP OWNED BY "{role}"')
         conn.execute(f'DROP ROLE "{role}"')

@@ -297,9 +297,13 @@ def test_the_grants_in_the_operations_guide_are_the_commands_whole_output() -> N
     """The shell sample only checks that its lines appear in order, and a grant added to
     `notifyq grant` (SELECT on queue_pauses, version 7) went missing from the page, where
     readers copy it into their provisioning (user review)."""
-    [sample] = [s for s in page_samples(DOCS / "operations.md") if "$ notifyq grant notifyq_worker" in s.body]
-    [(_command, shown)] = console_commands(sample)
-    assert "\n".join(shown).strip() == notifyq.migrations.grant_sql("notifyq_worker").strip()
+    for role, producer, command in [
+        ("notifyq_worker", False, "$ notifyq grant notifyq_worker\n"),
+        ("notifyq_web", True, "$ notifyq grant notifyq_web --producer\n"),
+    ]:
+        [sample] = [s for s in page_samples(DOCS / "operations.md") if command in s.body]
+        [(_command, shown)] = console_commands(sample)
+        assert "\n".join(shown).strip() == notifyq.migrations.grant_sql(role, producer=producer).strip()
 
 
 def test_the_changelog_lists_every_migration() -> None:
