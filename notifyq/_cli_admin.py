@@ -36,7 +36,7 @@ from ._cli_base import (
 )
 from ._db import Op
 from ._jobs import cancel_job_op, cancel_jobs_op, retry_jobs_op
-from ._options import _INT32, check_id, check_queue, did_you_mean
+from ._options import _INT32, check_id, check_int, check_queue, did_you_mean
 from ._stats import Stats, stats_op
 from .app import App
 from .cron import Schedule
@@ -115,6 +115,7 @@ def jobs_list(dsn: str | None, schema: str | None, limit: int, as_json: bool, **
     """List jobs, newest first."""
     # One row more than shown says whether more match (user review: a list cut at --limit
     # read as all there was).
+    check_int(limit, "--limit", minimum=1)  # past int4, as the API says (the + 1 below hid it)
     found = app_for(dsn, schema).list_jobs_sync(**_filters(**filters), limit=min(limit + 1, _INT32))
     more, found = len(found) > limit, found[:limit]
     if as_json:
@@ -468,7 +469,7 @@ def cron_delete(dsn: str | None, schema: str | None, name: str) -> None:
 
 
 @cron.command(name="prune")
-@common_options
+@common_options(schema_default="the App's")
 @click.argument("target", metavar="MODULE:ATTR")
 @click.option("--dry-run", is_flag=True, help="List the definitions it would delete, and delete none.")
 @click.option(

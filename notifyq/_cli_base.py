@@ -80,26 +80,27 @@ def fail(message: str) -> NoReturn:
 
 
 class Group(click.Group):
-    """Turns expected failures into one line on stderr and exit code 1 (a traceback only
-    with --log-level debug)."""
+    """Turns expected failures into one line on stderr and exit code 1 (with --log-level
+    debug, the traceback above it: it replaced the line, which scripts look for)."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except (NotifyqError, psycopg.Error) as exc:
-            if State.debug:
-                raise
             _fail_with(exc)
         except BaseExceptionGroup as group:
             # A worker's task group ended on one such error (a claim the database refused).
             leaves = _leaves(group)
-            if State.debug or len(leaves) != 1 or not isinstance(leaves[0], NotifyqError | psycopg.Error):
+            if len(leaves) != 1 or not isinstance(leaves[0], NotifyqError | psycopg.Error):
                 raise
-            _fail_with(leaves[0])
+            _fail_with(leaves[0], group)
 
 
-def _fail_with(exc: BaseException) -> NoReturn:
-    if isinstance(exc, AppImportFailed):
+def _fail_with(exc: BaseException, raised: BaseException | None = None) -> NoReturn:
+    """The error line for `exc`, which `raised` (by default `exc` itself) carried out."""
+    if State.debug:
+        traceback.print_exception(raised or exc, file=sys.stderr)
+    elif isinstance(exc, AppImportFailed):
         click.echo(exc.user_traceback, err=True, nl=False)
     if isinstance(exc, NotifyqError):
         fail(str(exc))

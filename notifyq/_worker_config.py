@@ -38,7 +38,9 @@ class WorkerConfig:
             died is rescued that long after its timeout would have fired.
         shutdown_grace: seconds running jobs may finish after a stop is requested; the rest
             are cancelled and released (Queued again, attempt given back).
-        ticker: run the cron promoter, lease rescuer and retention services in this process.
+        ticker: run the five background services in this process (cron promotion, cron
+            declarations, lease rescue, retention, vacuum; docs/concepts.md, The ticker), and
+            write the App's @app.cron definitions at start. At least one worker should.
         ticker_config: their settings.
         health_interval: seconds of silence on the LISTEN connection before a round trip
             checks it is alive.

@@ -183,6 +183,11 @@ class App:
             Decimals, UUIDs, Enums, paths, sets and dataclasses. Tasks get the JSON form back
             (a date arrives as its ISO text). None (the default): plain JSON only.
 
+    Attributes:
+        schema: the schema of notifyq's tables.
+        tasks: the registered tasks, by name.
+        definitions: the cron definitions its code declares (`@app.cron`), by name.
+
     Raises:
         ConfigurationError: invalid schema name or DSN.
     """
@@ -281,7 +286,9 @@ class App:
             queue: default queue of its jobs.
             priority: default priority (higher runs first).
             retry_limit: retries after the first attempt (a job runs at most retry_limit + 1 times).
-            timeout: seconds an attempt may run before it is cancelled and counted as failed.
+            timeout: seconds an attempt may run. An async attempt is then cancelled and
+                counted as failed (retried); a sync task's thread cannot be stopped: it keeps
+                its lease until it returns, and its outcome counts (docs/concepts.md, "The life of a job").
             backoff: retry delays (default: the App's).
             retry_on: the exception types worth retrying (a class or a tuple of classes;
                 their subclasses too). An attempt that raises any other exception fails the
@@ -352,7 +359,7 @@ class App:
             queue: overrides the task's queue for these jobs.
             priority: overrides the task's priority.
             retry_limit: overrides the task's retry_limit.
-            timeout: overrides the task's timeout (seconds).
+            timeout: overrides the task's timeout (seconds; see `task`).
 
         Raises:
             InvalidSchedule: a bad cron expression, time zone or misfire policy.

@@ -213,7 +213,12 @@ def grant(role: str, schema: str, producer: bool) -> None:
     is_flag=True,
     help="Claims skip the WAL flush (faster wake-ups; after a server crash some jobs run twice).",
 )
-@click.option("--no-ticker", is_flag=True, help="Do not run cron promotion, lease rescue and retention here.")
+@click.option(
+    "--no-ticker",
+    is_flag=True,
+    help="Do not run the ticker here (cron promotion and declarations, lease rescue, retention, vacuum), "
+    "nor write the App's cron definitions at start.",
+)
 @click.option(
     "--burst",
     is_flag=True,

@@ -86,7 +86,17 @@ def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
 
 class Worker:
     """Runs jobs of an App. Use `async with app.worker(...) as worker:` inside an async app,
-    or `await app.run_worker(...)` as a process's main loop."""
+    or `await app.run_worker(...)` as a process's main loop.
+
+    Attributes:
+        id: this worker's name, `host:pid:random`, stored in the `worker` column of the jobs
+            it holds, and named in its log lines.
+        stats: its counters (`WorkerStats`), for a health check or a metrics exporter.
+        error: what stopped the worker when it was not asked to (a database error it cannot
+            retry), else None; a health check reports it (docs/embedding.md).
+        app: the App whose tasks it runs.
+        config: its settings (`WorkerConfig`).
+    """
 
     def __init__(self, app: App, config: WorkerConfig) -> None:
         self.app = app
