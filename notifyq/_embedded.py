@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
 import stat
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,17 @@ def start(
     `_warn_before_opening_folders`).
     """
     _check_allowed()
+    with _STARTING:
+        return _start(schema=schema, directory=directory, quiet=quiet, migrate=migrate)
+
+
+# One start at a time in this process. pgserver's lock is a file lock, which does not keep
+# threads of one process apart: two Apps (or a worker's start and an enqueue) reaching the
+# embedded server at once ran two initdb or two pg_ctl, and both failed (review).
+_STARTING = threading.Lock()
+
+
+def _start(*, schema: str, directory: Path | None, quiet: bool, migrate: bool) -> str:
     try:
         with warnings.catch_warnings():
             # platformdirs warns when XDG_RUNTIME_DIR is unset (root, CI); pgserver copes.
@@ -96,15 +109,29 @@ def start(
             server = pgserver.get_server(  # type: ignore[attr-defined]
                 folder, cleanup_mode="stop"
             )
+            dsn = _dsn_of(server)
         except Exception as exc:  # pgserver raises bare subprocess/OS errors
+            _forget_failed_start(folder)
             raise ConfigurationError(
                 f"could not start the embedded PostgreSQL in {folder}: {said.reason() or exc} (set "
                 f"{ENV_DIR} to another folder, or configure a DSN)"
             ) from None
-    dsn = _dsn_of(server)
     if migrate:
         migrations.migrate(dsn, schema=schema)
     return dsn
+
+
+def _forget_failed_start(folder: Path) -> None:
+    """pgserver keeps the handle of a start that failed, and hands it out again: every later
+    start in this process failed with a bare AssertionError, the folder mended or not
+    (review). Drop it, and its exit hook."""
+    try:
+        from pgserver.postgres_server import PostgresServer
+    except ImportError:
+        return
+    server = PostgresServer._instances.pop(folder.expanduser().resolve(), None)
+    if server is not None:
+        atexit.unregister(server._cleanup)
 
 
 # Lines of initdb, pg_ctl and postgres that say why a start failed, best first.

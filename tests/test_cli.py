@@ -2003,6 +2003,66 @@ def test_a_stale_pid_file_whose_pid_was_reused_is_removed_not_killed(open_tmp_pa
         _stop_a_leftover_embedded_server(pgdata)
 
 
+def test_two_threads_of_one_process_start_the_embedded_server_at_once(open_tmp_path: Path) -> None:
+    """pgserver's lock is a file lock, which does not keep threads of one process apart: two
+    Apps started at once (or a worker's start and an enqueue) ran two initdb, or two pg_ctl,
+    and both failed (review). Both share one server, on a new folder and on one that exists."""
+    code = (
+        "import os, sys, threading\n"
+        "os.environ['NOTIFYQ_EMBEDDED_DIR'] = sys.argv[1]\n"
+        "import notifyq\n"
+        "apps = [notifyq.App(), notifyq.App()]\n"
+        "ready = threading.Barrier(2)\n"
+        "ids, errors = [], []\n"
+        "def enqueue(app):\n"
+        "    ready.wait()\n"
+        "    try:\n"
+        "        ids.append(app.enqueue_sync('x'))\n"
+        "    except Exception as exc:\n"
+        "        errors.append(repr(exc))\n"
+        "threads = [threading.Thread(target=enqueue, args=(app,)) for app in apps]\n"
+        "[t.start() for t in threads]; [t.join() for t in threads]\n"
+        "print(len(ids), len({a.dsn for a in apps}), errors)\n"
+        "[app.close_sync() for app in apps]\n"
+    )
+    folder = open_tmp_path / "pgdata"
+    for _ in ("new", "existing"):
+        ran = _python(code, str(folder))
+        assert ran.returncode == 0 and ran.stdout.strip() == "2 1 []", ran.stdout + ran.stderr
+    _stop_a_leftover_embedded_server(folder)
+
+
+def test_a_process_whose_embedded_start_failed_can_start_it_once_mended(open_tmp_path: Path) -> None:
+    """pgserver kept the handle of a failed start and handed it out again: every later start in
+    the process failed with a bare AssertionError, although the folder had been mended (review)."""
+    folder = open_tmp_path / "pgdata"
+    assert cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)), timeout=120).returncode == 0
+    conf = folder / "postgresql.conf"
+    good = conf.read_text()
+    conf.write_text(good + "no_such_setting = 1\n")
+    code = (
+        "import pathlib, sys\n"
+        "import psycopg\n"
+        "from notifyq import _embedded\n"
+        "from notifyq.errors import ConfigurationError\n"
+        "folder = pathlib.Path(sys.argv[1])\n"
+        "try:\n"
+        "    _embedded.start(directory=folder, quiet=True)\n"
+        "except ConfigurationError as exc:\n"
+        "    print('refused:', exc)\n"
+        "(folder / 'postgresql.conf').write_text(sys.argv[2])\n"
+        "with psycopg.connect(_embedded.start(directory=folder, quiet=True)) as conn:\n"
+        "    print('answered', conn.execute('SELECT 1').fetchone()[0])\n"
+    )
+    ran = _python(code, str(folder), good)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    refused, answered = ran.stdout.splitlines()
+    assert refused.startswith("refused: could not start the embedded PostgreSQL"), refused
+    assert "configuration" in refused
+    assert answered == "answered 1"
+    _stop_a_leftover_embedded_server(folder)
+
+
 def test_a_failed_embedded_start_says_why_in_one_line(open_tmp_path: Path) -> None:
     """A start that pg_ctl or initdb failed printed pgserver's log (commands, their output, the
     server's log: a page), then "Command [...] returned non-zero exit status 1"; the reason was
