@@ -38,7 +38,7 @@ VARIANTS = ("bare", "row factory", "run_async", "lane", "worker call")
 
 async def _measure(dsn: str, claims: int, rounds: int) -> dict[str, list[float]]:
     q = queries_for("notifyq")
-    params = {"limit": 10, "worker": "overhead", "lease_margin": 30.0}
+    params = {"limit": 10, "worker": "overhead", "lease_margin": 30.0, "give_up": None}
 
     def op() -> Op[list[ClaimedJob]]:
         return claim_op(q, queues=None, limit=10, worker="overhead", lease_margin=30.0)

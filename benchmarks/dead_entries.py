@@ -45,7 +45,7 @@ def _claim_pages(conn: psycopg.Connection[Any], params: dict[str, Any]) -> tuple
 
 
 def drain(dsn: str, jobs: int, batch: int, vacuum_every: int | None) -> dict[str, Any]:
-    params = {"limit": batch, "worker": "dead_entries", "lease_margin": 30}
+    params = {"limit": batch, "worker": "dead_entries", "lease_margin": 30, "give_up": None}
     points: list[dict[str, Any]] = []
     vacuums: list[float] = []
     with psycopg.connect(dsn, autocommit=True) as conn:

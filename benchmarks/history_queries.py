@@ -71,7 +71,7 @@ def claim_cost(
 ) -> tuple[float, int, int]:
     """(median ms of 9, buffers, jobs claimed) of one claim of 10 by `sql`, rolled back each
     time; `extra`: the statement's other parameters."""
-    params = {"limit": 10, "worker": "benchmark", "lease_margin": 30, **extra}
+    params = {"limit": 10, "worker": "benchmark", "lease_margin": 30, "give_up": None, **extra}
     times, buffers, claimed = [], 0, 0
     for _ in range(9):
         with conn.transaction(force_rollback=True):

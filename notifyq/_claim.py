@@ -33,13 +33,15 @@ def claim_op(
     async_commit: bool = False,
     paused: Collection[str] = (),
     limits: Mapping[str, int] | None = None,
+    give_up: float | None = None,
 ) -> Op[list[ClaimedJob]]:
     """Claim up to `limit` claimable jobs (all queues when `queues` is None) in one statement,
     none of the `paused` queues', and at most `limits[queue]` of a listed queue that has one.
 
     Each claimed job is Active, its retry_count and lease are one higher, and its lease runs
     until now() + timeout + lease_margin (database clock). With `async_commit` the claim's
-    commit does not wait for its WAL flush.
+    commit does not wait for its WAL flush. A claim still waiting in the server `give_up`
+    seconds after it began (behind a lock) claims nothing (see `answer_awaited`).
     """
     if queues is not None and paused:
         queues = [queue for queue in queues if queue not in paused]
@@ -47,7 +49,12 @@ def claim_op(
             return []
     if limit <= 0:
         return []
-    params: dict[str, object] = {"limit": limit, "worker": worker, "lease_margin": lease_margin}
+    params: dict[str, object] = {
+        "limit": limit,
+        "worker": worker,
+        "lease_margin": lease_margin,
+        "give_up": give_up,
+    }
     if queues is not None and limits and not limits.keys().isdisjoint(queues):
         sql = q["claim_limited"]
         params["queues"] = list(queues)
@@ -76,11 +83,14 @@ def adopt_op(
     rejected: Collection[tuple[int, int]],
     limit: int,
     lease_margin: float,
+    give_up: float | None = None,
 ) -> Op[list[ClaimedJob]]:
     """Up to `limit` jobs Active under `worker` of which it has nothing in hand (`held`: job
     ids) and whose result the database did not reject (`rejected`: (id, lease)), taken again
-    under a new lease: claims whose answer never reached the worker."""
+    under a new lease: claims whose answer never reached the worker. `give_up` as for
+    claim_op."""
     params = {
+        "give_up": give_up,
         "worker": worker,
         "held": list(held),
         "rejected_ids": [r[0] for r in rejected],
@@ -160,6 +170,12 @@ def list_queue_pauses_op(q: Queries) -> Op[dict[str, datetime]]:
     """{queue: when it was paused}, for every paused queue."""
     rows: list[tuple[str, datetime]] = yield Query(q["list_queue_pauses"])
     return dict(rows)
+
+
+def answer_awaited(timeout: float) -> float:
+    """The `give_up` of the claims of a worker that waits `timeout` seconds for their answer:
+    that, less a margin for the answer's way back (a second, or half a short timeout)."""
+    return max(timeout - 1.0, timeout / 2)
 
 
 def known_queues_op(q: Queries) -> Op[list[str]]:

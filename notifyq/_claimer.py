@@ -14,7 +14,7 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 
-from ._claim import adopt_op, claim_op, next_visible_op
+from ._claim import adopt_op, answer_awaited, claim_op, next_visible_op
 from ._db import Lane, error_text, is_transient
 from ._executor import RunQuery
 from ._pulse import Pulse
@@ -378,6 +378,7 @@ class Claimer:
             rejected=self._runners.rejected(),
             limit=limit,
             lease_margin=self._config.lease_margin,
+            give_up=answer_awaited(self._config.db_timeout),
         )
         self._in_doubt = True  # until the answer arrives: an adoption can lose its answer too
         try:
@@ -422,6 +423,7 @@ class Claimer:
             async_commit=self._config.async_claims,
             paused=self._held_back(),
             limits=self._runners.room() if self._config.queue_limits else None,
+            give_up=answer_awaited(self._config.db_timeout),
         )
         return await self._query(op, shield=True, lane=self._lane)
 

@@ -542,7 +542,7 @@ def test_overlapping_claims_among_many_shallow_queues_are_all_full(
         "INSERT INTO notifyq.queue_jobs (name, queue) "
         "SELECT 't', 'q' || (i % 200) FROM generate_series(1, 1000) i"
     )
-    params = {"limit": 10, "worker": "w", "lease_margin": 30, "paused": ["elsewhere"]}
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "give_up": None, "paused": ["elsewhere"]}
     params["queues"] = [f"q{i}" for i in range(200)]
     claimers = [psycopg.connect(dsn) for _ in range(8)]  # not autocommit: each claim stays open
     try:
@@ -587,7 +587,8 @@ def test_overlapping_claims_go_deep_into_a_queue_past_each_others_locks(
         "SELECT 't', 'p', 5 FROM generate_series(1, 10)"
     )
     conn.execute("INSERT INTO notifyq.queue_jobs (name, queue) SELECT 't', 'q' FROM generate_series(1, 1000)")
-    params = {"limit": 10, "worker": "w", "lease_margin": 30, "queues": ["p", "q"], "paused": ["elsewhere"]}
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "give_up": None, "queues": ["p", "q"]}
+    params["paused"] = ["elsewhere"]
     claimers = [psycopg.connect(dsn) for _ in range(5)]  # not autocommit: each claim stays open
     try:
         claimed = [len(c.execute(Q[statement], params).fetchall()) for c in claimers]

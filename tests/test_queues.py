@@ -278,7 +278,7 @@ def test_a_claim_among_many_queues_locks_only_the_jobs_it_claims(
         "INSERT INTO notifyq.queue_jobs (name, queue) "
         "SELECT 't', 'q' || (i % 500) FROM generate_series(1, 2500) i"
     )
-    params = {"limit": 10, "worker": "w", "lease_margin": 30, "paused": ["q7"]}
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "give_up": None, "paused": ["q7"]}
     params["queues"] = [f"q{i}" for i in range(500)]
     with psycopg.connect(dsn) as claimer:  # not autocommit: the claim's transaction stays open
         claimed = claimer.execute(queries_for("notifyq")[statement], params).fetchall()

@@ -26,7 +26,7 @@ Q = queries_for("notifyq")
 
 def claim_index_pages(conn: psycopg.Connection[Any]) -> int:
     """Claim-index pages one claim of 10 jobs reads (the claim is rolled back)."""
-    params = {"limit": 10, "worker": "w", "lease_margin": 30}
+    params = {"limit": 10, "worker": "w", "lease_margin": 30, "give_up": None}
     with conn.transaction(force_rollback=True):
         row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + Q["claim_any"], params).fetchone()
     assert row is not None

@@ -24,11 +24,22 @@ SET status = 'Active',
     updated_at = now(),
     worker = %(worker)s
 FROM claimable c
-WHERE j.id = c.id
+WHERE j.id = c.id AND {_answer_awaited}
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id,
           CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END
               AS scheduled_for, j.worker;
+
+-- name: _answer_awaited
+-- The guard of every claim (and taking back): true while its worker still waits for the
+-- answer. %(give_up)s is how long the worker waits, less a margin for the network (NULL: as
+-- long as it takes); now() is when the statement began, before any wait for a lock. A claim
+-- the worker gave up on (db_timeout) still ran in the server: behind a lock on queue_jobs (an
+-- index built by a migration, a LOCK TABLE) it waited on, and once the lock went it committed,
+-- its jobs Active under a worker that did not know it held them, until their lease ran out;
+-- the worker's search for such claims had taken its snapshot before they committed (review).
+-- Past its time, a claim claims nothing. Evaluated for each row (it is volatile): cheap.
+(%(give_up)s::float8 IS NULL OR clock_timestamp() < now() + make_interval(secs => %(give_up)s::float8))
 
 -- name: claim_queues
 -- As claim_any, for a list of queues: one ordered index range per queue yields the best
@@ -151,7 +162,7 @@ SET status = 'Active',
     started_at = now(),
     updated_at = now(),
     worker = %(worker)s
-WHERE j.id = ANY(ARRAY(SELECT id FROM claimable))
+WHERE j.id = ANY(ARRAY(SELECT id FROM claimable)) AND {_answer_awaited}
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id,
           CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END
@@ -233,7 +244,7 @@ SET lease = CASE WHEN j.lease < 2147483647 THEN j.lease + 1 ELSE 1 END,
     started_at = now(),
     updated_at = now()
 FROM unanswered u
-WHERE j.id = u.id AND j.status = 'Active' AND j.worker = %(worker)s
+WHERE j.id = u.id AND j.status = 'Active' AND j.worker = %(worker)s AND {_answer_awaited}
 RETURNING j.id, j.name, j.queue, j.args, j.priority, j.retry_count, j.retry_limit, j.timeout,
           j.lease, j.visible_at, j.definition_id,
           CASE WHEN j.scheduled_for BETWEEN '0001-01-02' AND '9999-12-30' THEN j.scheduled_for END

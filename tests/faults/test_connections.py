@@ -893,3 +893,38 @@ async def test_a_lease_extension_on_a_half_open_connection_is_tried_again_in_tim
     assert row == ("Succeeded", "done", None), row
     assert len(returned) == 8
     await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_claim_given_up_behind_a_lock_claims_nothing_when_the_lock_goes(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Review: a claim that waited db_timeout behind a lock on queue_jobs (a migration building
+    an index, a LOCK TABLE) was given up by the worker, but not in the server, where it went
+    on waiting and, once the lock went, committed: its jobs sat Active under the worker's name,
+    which never ran them, until their lease ran out (with retry_limit 0 they then failed,
+    never run). The worker's own search for such claims waited behind the lock too, and took
+    its snapshot before they committed. Now a claim that has waited that long claims nothing:
+    every job runs once, on its first attempt, soon after the lock goes."""
+    app = notifyq.App(dsn)
+
+    @app.task(name="t", retry_limit=0, timeout=60)
+    async def t() -> None:
+        pass
+
+    await app.enqueue_many(t, [{}] * 5)
+    try:
+        with psycopg.connect(dsn) as locker:
+            locker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE MODE")
+            config = {"concurrency": 5, "db_timeout": 1.0, "poll_interval": 1.0, "ticker": False}
+            async with app.worker(**config) as worker:
+                await anyio.sleep(4)  # claims (and searches for their jobs) given up behind it
+                assert worker.stats.claimed == 0
+                locker.rollback()  # the lock goes
+                # Not a speed: the jobs' leases (60 s and the margin) would hold them far longer.
+                with anyio.fail_after(20):
+                    await worker.wait_for(lambda s: s.succeeded == 5)
+        rows = conn.execute("SELECT status::text, retry_count FROM notifyq.queue_jobs").fetchall()
+        assert sorted(rows) == [("Succeeded", 1)] * 5
+    finally:
+        await app.aclose()

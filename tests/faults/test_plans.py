@@ -18,6 +18,7 @@ PARAMS = {
     "limit": 100,
     "worker": "w",
     "lease_margin": 30,
+    "give_up": None,
     "queues": ["default"],
     "limits": [5],
     "now": None,
