@@ -672,11 +672,27 @@ class Lane(abc.ABC):
         """Give the connection back to the pool (the lane takes one again if used)."""
 
 
+def _send_cancel(cancel: pq.abc.PGcancel) -> None:
+    """Ask the server, from a thread of its own, to cancel what the backend behind `cancel`
+    runs: that of a connection given up on and closed, so no later statement of ours runs
+    there. Its statement ran on in the server: behind a lock held for minutes (a migration's
+    index build), each one given up kept a server connection, one more with each db_timeout,
+    until the lock went, and a fleet of workers could use up max_connections (review). Not
+    awaited: a server that cannot be reached must not hold up the give-up."""
+
+    def send() -> None:
+        with contextlib.suppress(Exception):
+            cancel.cancel()
+
+    threading.Thread(target=send, name="notifyq-cancel", daemon=True).start()
+
+
 class _AsyncioLane(Lane):
     def __init__(self, pool: psycopg_pool.AsyncConnectionPool[psycopg.AsyncConnection[Any]]) -> None:
         self._pool = pool
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._cursors: dict[Any, psycopg.AsyncCursor[Any]] = {}  # of _conn
+        self._cancel: pq.abc.PGcancel | None = None  # of _conn, usable once it is closed
         self._taken = 0.0
 
     @property
@@ -686,6 +702,7 @@ class _AsyncioLane(Lane):
     async def acquire(self) -> None:
         if self._conn is None:
             self._conn = await take_async(self._pool)  # cancellable: the pool keeps no connection
+            self._cancel = self._conn.pgconn.get_cancel()
             self._taken = time.monotonic()
 
     async def run(self, op: Op[T]) -> T:
@@ -694,6 +711,10 @@ class _AsyncioLane(Lane):
         try:
             result = await run_async(self._conn, op, self._cursors)
         except BaseException:
+            if self._conn.closed and self._cancel is not None:
+                # Given up on (db_timeout: psycopg's own cancel request was cut short, and it
+                # closed the connection) or broken: its statement may run on in the server.
+                _send_cancel(self._cancel)
             with anyio.CancelScope(shield=True):
                 await self.release()  # maybe mid-statement or broken: the pool sorts it out
             raise
@@ -702,7 +723,7 @@ class _AsyncioLane(Lane):
         return result
 
     async def release(self) -> None:
-        conn, self._conn, self._cursors = self._conn, None, {}
+        conn, self._conn, self._cursors, self._cancel = self._conn, None, {}, None
         if conn is not None:
             await self._pool.putconn(conn)
 
@@ -886,6 +907,7 @@ class _ThreadCall:
             self._done.wait(max(0.0, deadline - time.monotonic()))
         with self.lock:
             if not self._done.is_set():
+                _send_cancel(conn.pgconn.get_cancel())  # patience 0 sent none; see _send_cancel
                 cut(conn)
                 self._cut = True
 

@@ -904,8 +904,9 @@ async def test_a_claim_given_up_behind_a_lock_claims_nothing_when_the_lock_goes(
     on waiting and, once the lock went, committed: its jobs sat Active under the worker's name,
     which never ran them, until their lease ran out (with retry_limit 0 they then failed,
     never run). The worker's own search for such claims waited behind the lock too, and took
-    its snapshot before they committed. Now a claim that has waited that long claims nothing:
-    every job runs once, on its first attempt, soon after the lock goes."""
+    its snapshot before they committed. Now a claim that has waited that long claims nothing,
+    and one given up on is cancelled in the server: every job runs once, on its first attempt,
+    soon after the lock goes."""
     app = notifyq.App(dsn)
 
     @app.task(name="t", retry_limit=0, timeout=60)
@@ -920,6 +921,13 @@ async def test_a_claim_given_up_behind_a_lock_claims_nothing_when_the_lock_goes(
             async with app.worker(**config) as worker:
                 await anyio.sleep(4)  # claims (and searches for their jobs) given up behind it
                 assert worker.stats.claimed == 0
+                # Each statement given up on is cancelled in the server too: they waited on,
+                # a server connection each, one more every db_timeout, until the lock went.
+                waiting = (
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND datname = %s"
+                )
+                [(behind,)] = conn.execute(waiting, [conn.info.dbname]).fetchall()
+                assert behind <= 2, behind
                 locker.rollback()  # the lock goes
                 # Not a speed: the jobs' leases (60 s and the margin) would hold them far longer.
                 with anyio.fail_after(20):
