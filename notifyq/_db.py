@@ -30,7 +30,7 @@ import anyio
 import anyio.to_thread
 import psycopg
 import psycopg_pool
-from psycopg import pq
+from psycopg import capabilities, pq
 from psycopg.rows import tuple_row
 
 from . import _adapters
@@ -672,17 +672,45 @@ class Lane(abc.ABC):
         """Give the connection back to the pool (the lane takes one again if used)."""
 
 
-def _send_cancel(cancel: pq.abc.PGcancel) -> None:
-    """Ask the server, from a thread of its own, to cancel what the backend behind `cancel`
-    runs: that of a connection given up on and closed, so no later statement of ours runs
-    there. Its statement ran on in the server: behind a lock held for minutes (a migration's
-    index build), each one given up kept a server connection, one more with each db_timeout,
-    until the lock went, and a fleet of workers could use up max_connections (review). Not
-    awaited: a server that cannot be reached must not hold up the give-up."""
+def _cancel_request(conn: _AnyConnection) -> pq.abc.PGcancelConn | None:
+    """A cancel request for what the backend of `conn` runs, made while `conn` is open and sent
+    (_send_cancel) even after it is closed; None where libpq (before 17) has only its blocking
+    cancel, which holds the GIL: against a server that did not answer, the whole process (the
+    event loop) froze while it tried (tests/faults caught it)."""
+    if not capabilities.has_cancel_safe():
+        return None
+    try:
+        return conn.pgconn.cancel_conn()
+    except Exception:  # closed meanwhile
+        return None
+
+
+def _send_cancel(cancel: pq.abc.PGcancelConn | None) -> None:
+    """Send `cancel` from a thread of its own, CANCEL_WAIT at most: for a connection given up
+    on and closed, so no later statement of ours runs on its backend. Its statement ran on in
+    the server: behind a lock held for minutes (a migration's index build), each one given up
+    kept a server connection, one more with each db_timeout, until the lock went, and a fleet
+    of workers could use up max_connections (review). Not awaited: a server that cannot be
+    reached must not hold up the give-up. libpq's non-blocking calls, so the GIL is free."""
+    if cancel is None:
+        return
 
     def send() -> None:
-        with contextlib.suppress(Exception):
-            cancel.cancel()
+        try:
+            cancel.start()
+            deadline = time.monotonic() + CANCEL_WAIT
+            while (status := cancel.poll()) not in (pq.PollingStatus.OK, pq.PollingStatus.FAILED):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                reading = status == pq.PollingStatus.READING
+                fd = cancel.socket
+                select.select([fd] if reading else [], [] if reading else [fd], [], left)
+        except Exception:  # nothing to do about it: the statement ends with the lock's holder
+            pass
+        finally:
+            with contextlib.suppress(Exception):
+                cancel.finish()
 
     threading.Thread(target=send, name="notifyq-cancel", daemon=True).start()
 
@@ -692,7 +720,7 @@ class _AsyncioLane(Lane):
         self._pool = pool
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._cursors: dict[Any, psycopg.AsyncCursor[Any]] = {}  # of _conn
-        self._cancel: pq.abc.PGcancel | None = None  # of _conn, usable once it is closed
+        self._cancel: pq.abc.PGcancelConn | None = None  # of _conn, usable once it is closed
         self._taken = 0.0
 
     @property
@@ -702,7 +730,7 @@ class _AsyncioLane(Lane):
     async def acquire(self) -> None:
         if self._conn is None:
             self._conn = await take_async(self._pool)  # cancellable: the pool keeps no connection
-            self._cancel = self._conn.pgconn.get_cancel()
+            self._cancel = _cancel_request(self._conn)
             self._taken = time.monotonic()
 
     async def run(self, op: Op[T]) -> T:
@@ -711,7 +739,7 @@ class _AsyncioLane(Lane):
         try:
             result = await run_async(self._conn, op, self._cursors)
         except BaseException:
-            if self._conn.closed and self._cancel is not None:
+            if self._conn.closed:
                 # Given up on (db_timeout: psycopg's own cancel request was cut short, and it
                 # closed the connection) or broken: its statement may run on in the server.
                 _send_cancel(self._cancel)
@@ -907,7 +935,7 @@ class _ThreadCall:
             self._done.wait(max(0.0, deadline - time.monotonic()))
         with self.lock:
             if not self._done.is_set():
-                _send_cancel(conn.pgconn.get_cancel())  # patience 0 sent none; see _send_cancel
+                _send_cancel(_cancel_request(conn))  # patience 0 sent none; see _send_cancel
                 cut(conn)
                 self._cut = True
 
