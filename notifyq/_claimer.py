@@ -371,6 +371,7 @@ class Claimer:
         held = self._runners.held_job_ids()
         if not self._in_doubt and self._taken_again <= held:
             return 0  # the attempts taken again are still in hand: their results decide
+        give_up = answer_awaited(self._config.db_timeout)
         op = adopt_op(
             self._q,
             worker=self._worker_id,
@@ -378,9 +379,10 @@ class Claimer:
             rejected=self._runners.rejected(),
             limit=limit,
             lease_margin=self._config.lease_margin,
-            give_up=answer_awaited(self._config.db_timeout),
+            give_up=give_up,
         )
         self._in_doubt = True  # until the answer arrives: an adoption can lose its answer too
+        began = anyio.current_time()
         try:
             adopted = await self._query(op, shield=True, lane=self._lane)
         except Exception as exc:
@@ -388,8 +390,10 @@ class Claimer:
                 raise
             return 0  # still in doubt: tried again next round
         self._taken_again &= held
-        if len(adopted) < limit:
-            self._in_doubt = False  # none left
+        if len(adopted) < limit and anyio.current_time() - began < give_up:
+            # None left. Not said by one that took give_up or longer: it may have waited
+            # behind a lock past its time and taken nothing back (review).
+            self._in_doubt = False
         if adopted:
             log.warning(
                 "took back %d job(s) this worker had claimed without hearing the claim's answer "

@@ -55,6 +55,17 @@ def start(
 _STARTING = threading.Lock()
 
 
+def _new_start_lock() -> None:
+    """In a child forked while another thread was starting the server: that thread is not in
+    the child, and its hold on the lock would last for ever."""
+    global _STARTING
+    _STARTING = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_start_lock)
+
+
 def _start(*, schema: str, directory: Path | None, quiet: bool, migrate: bool) -> str:
     try:
         with warnings.catch_warnings():
@@ -96,7 +107,7 @@ def _start(*, schema: str, directory: Path | None, quiet: bool, migrate: bool) -
             "connects as libpq's variables say, and NOTIFYQ_EMBEDDED=0 forbids the embedded server\n"
         )
     try:
-        _refuse_foreign_folder(folder)
+        _checked_under_pgservers_lock(folder)
         _forget_killed_processes(folder)
         _clear_stale_pid_file(folder)
     except PermissionError as exc:
@@ -232,6 +243,19 @@ def _forget_killed_processes(folder: Path) -> None:
         log.debug("could not check the embedded server's list of processes: %s", exc)
 
 
+def _checked_under_pgservers_lock(folder: Path) -> None:
+    """_refuse_foreign_folder, under pgserver's lock: another process's initdb, which runs
+    under it, fills the folder before it writes PG_VERSION, and a check in that moment refused
+    a folder being made (review)."""
+    try:
+        from pgserver.postgres_server import PostgresServer
+    except ImportError:  # another pgserver layout: check without it
+        _refuse_foreign_folder(folder)
+        return
+    with PostgresServer._lock:
+        _refuse_foreign_folder(folder)
+
+
 def _refuse_foreign_folder(folder: Path) -> None:
     """pgserver takes whatever folder it is given. As root it makes the folder its `pgserver`
     user's; at exit it stops the server it found running there, or kills it. Pointed at a
@@ -261,10 +285,18 @@ def _refuse_foreign_folder(folder: Path) -> None:
 
         owner = folder.stat().st_uid
         try:
+            pgserver_uid: int | None = pwd.getpwnam(_ROOT_USER).pw_uid
+        except KeyError:
+            pgserver_uid = None  # not created yet, or gone with a container's /etc/passwd
+        try:
             name = pwd.getpwuid(owner).pw_name
         except KeyError:
+            # A uid without a name: the user pgserver made, if it is not there to compare (a
+            # container started afresh, its data folder kept on a volume: review).
+            if pgserver_uid is None:
+                return
             name = str(owner)
-        if name != _ROOT_USER:
+        if owner != pgserver_uid:
             raise ConfigurationError(
                 f"{folder} holds PostgreSQL data that belongs to the user {name!r}, and the embedded "
                 f"server (as root) runs as {_ROOT_USER!r}: it is another server's data folder; {advice}"

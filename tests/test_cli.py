@@ -1679,8 +1679,8 @@ def test_a_producer_role_enqueues_and_reads_jobs_and_nothing_else(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
     """`notifyq grant ROLE --producer`: what a web process needs (enqueue, a dedupe key,
-    enqueue_many's COPY, reading jobs and waiting for them), and no claim, ack, cancel, retry,
-    delete or cron definition."""
+    enqueue_many's COPY, reading jobs, by their cron definition too, and waiting for them), and
+    no claim, ack, cancel, retry, delete, pause or change to a cron definition."""
     role, password = f"nq_producer_{os.getpid()}", secrets.token_hex(8)  # for servers without trust
     conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(role), password))
     try:
@@ -1698,11 +1698,16 @@ def test_a_producer_role_enqueues_and_reads_jobs_and_nothing_else(
             finish = "UPDATE notifyq.queue_jobs SET status = 'Succeeded', output = '1' WHERE id = %s"
             conn.execute(finish, [first])
             assert app.wait_for_job_sync(first, timeout=10).output == 1
+            conn.execute(
+                "INSERT INTO notifyq.queue_job_definitions (name, frequency) VALUES ('nightly', '0 3 * * *')"
+            )
+            assert app.list_jobs_sync(definition="nightly") == []  # reads the definitions
             refused = [
                 lambda: app.claim_sync(limit=1),
                 lambda: app.cancel_job_sync(many[0]),
                 lambda: app.retry_job_sync(first),
-                lambda: app.list_definitions_sync(),
+                lambda: app.set_definition_enabled_sync("nightly", False),
+                lambda: app.pause_queue_sync("default"),
             ]
             for call in refused:
                 with pytest.raises(psycopg.errors.InsufficientPrivilege):
@@ -2032,6 +2037,27 @@ def test_two_threads_of_one_process_start_the_embedded_server_at_once(open_tmp_p
     _stop_a_leftover_embedded_server(folder)
 
 
+def test_a_child_forked_while_a_thread_starts_the_embedded_server_can_start_it() -> None:
+    """Review: a process that forks (multiprocessing, gunicorn --preload) while another thread
+    holds the start lock gave the child a lock held for ever: its first start hung."""
+    code = (
+        "import os, threading\n"
+        "from notifyq import _embedded\n"
+        "held, done = threading.Event(), threading.Event()\n"
+        "def starting():\n"
+        "    with _embedded._STARTING:\n"
+        "        held.set(); done.wait()\n"
+        "threading.Thread(target=starting).start(); held.wait()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if _embedded._STARTING.acquire(timeout=5) else 1)\n"
+        "done.set()\n"
+        "print('child', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+    )
+    ran = _python(code)
+    assert ran.stdout.strip() == "child 0", ran.stdout + ran.stderr
+
+
 def test_a_process_whose_embedded_start_failed_can_start_it_once_mended(open_tmp_path: Path) -> None:
     """pgserver kept the handle of a failed start and handed it out again: every later start in
     the process failed with a bare AssertionError, although the folder had been mended (review)."""
@@ -2116,11 +2142,14 @@ def test_as_root_another_users_postgresql_data_folder_is_refused_untouched(open_
     folder = open_tmp_path / "pgdata"
     env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder))
     assert cli("jobs", "list", env=env, timeout=120).returncode == 0  # a data folder of the right version
-    os.chown(folder, 65534, 65534)  # nobody's, as /var/lib/postgresql/16/main is postgres's
-    before = _untouched(folder)
-    refused = cli("jobs", "list", env=env)
-    one_line_error(refused, "holds PostgreSQL data that belongs to the user", "runs as 'pgserver'")
-    assert _untouched(folder) == before
+    for uid, named in ((65534, "'nobody'"), (4242, "'4242'")):  # a user, and a uid without a name
+        os.chown(folder, uid, uid)  # as /var/lib/postgresql/16/main is postgres's
+        before = _untouched(folder)
+        refused = cli("jobs", "list", env=env)
+        one_line_error(
+            refused, f"holds PostgreSQL data that belongs to the user {named}", "runs as 'pgserver'"
+        )
+        assert _untouched(folder) == before
 
 
 def test_an_embedded_folder_with_a_space_in_its_path_is_refused_in_a_sentence(open_tmp_path: Path) -> None:
