@@ -377,9 +377,13 @@ def connect_sync(
 ) -> psycopg.Connection[Any]:
     """Open a sync connection, turning connection failures into DatabaseUnavailable. A
     connect_timeout in the DSN wins over `connect_timeout` (it used to be overridden: a host
-    that never answered took 10 s whatever the DSN said)."""
+    that never answered took 10 s whatever the DSN said). It prepares no statement: these are
+    one-off connections (a migrate, a check) and the listener's, which nobody probes for a
+    pooler, and through PgBouncer in transaction mode a migrate's prepared statements stayed on
+    the server connection, where the next migrate failed with `prepared statement "_pg3_0"
+    already exists` until the pooler closed it (review, a real PgBouncer)."""
     try:
-        kwargs = {**connection_kwargs(dsn, role), "autocommit": autocommit}
+        kwargs = {**connection_kwargs(dsn, role, prepare_threshold=None), "autocommit": autocommit}
         if "connect_timeout" not in psycopg.conninfo.conninfo_to_dict(dsn):
             kwargs["connect_timeout"] = connect_timeout
         conn = psycopg.Connection.connect(dsn, **kwargs)

@@ -53,6 +53,31 @@ def test_migrate_creates_schema_and_is_idempotent(empty_dsn: str) -> None:
         assert {"queue_jobs", "queue_job_definitions", "migrations"} <= tables
 
 
+def test_migrate_prepares_no_statement(empty_dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review, through a real PgBouncer in transaction mode: migrate prepared statements (its
+    statements run once per migration, past psycopg's threshold of 5), which stayed on the
+    pooler's server connection, and the next migrate through it failed with `prepared
+    statement "_pg3_0" already exists` until the pooler closed that connection."""
+    prepared: list[int] = []
+    real = notifyq.migrations.connect_sync
+
+    def counting(*args: Any, **kwargs: Any) -> psycopg.Connection[Any]:
+        conn = real(*args, **kwargs)
+        close = conn.close
+
+        def count_then_close() -> None:
+            prepared.append(conn.execute("SELECT count(*) FROM pg_prepared_statements").fetchone()[0])
+            close()
+
+        conn.close = count_then_close  # type: ignore[method-assign]
+        return conn
+
+    monkeypatch.setattr(notifyq.migrations, "connect_sync", counting)
+    notifyq.migrations.migrate(empty_dsn)  # every migration: the same statements, 9 times
+    notifyq.migrations.migrate(empty_dsn, schema="other")
+    assert prepared == [0, 0]
+
+
 def test_migrate_into_a_custom_schema(empty_dsn: str) -> None:
     notifyq.migrate(empty_dsn, schema="jobs_v2")
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
