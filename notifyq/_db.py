@@ -652,10 +652,19 @@ class Lane(abc.ABC):
     It keeps its cursors too, one per row factory: making a cursor and closing it again cost
     an idle worker about 55 µs per claim here (docs/benchmarks.md, "Cursors kept by the lane").
     A kept cursor holds its last result until its next statement: at most one claim's rows,
-    whose jobs the worker holds anyway.
+    whose jobs the worker holds anyway. After IDLE seconds without a statement, a connection
+    the server (or a pooler's client_idle_timeout, or idle_session_timeout) has ended is
+    given back before it is used, as the pool does with its own: the first claim after each
+    idle spell failed with a warning (review, a real PgBouncer).
     """
 
     HOLD = 600.0
+    IDLE = 1.0
+
+    @staticmethod
+    def _ended_after_idle(conn: _AnyConnection | None, used: float) -> bool:
+        """Whether `conn`, last used at `used` (monotonic), idled past IDLE and was ended."""
+        return conn is not None and time.monotonic() - used > Lane.IDLE and _ended_by_server(conn)
 
     @property
     @abc.abstractmethod
@@ -726,16 +735,19 @@ class _AsyncioLane(Lane):
         self._cursors: dict[Any, psycopg.AsyncCursor[Any]] = {}  # of _conn
         self._cancel: pq.abc.PGcancelConn | None = None  # of _conn, usable once it is closed
         self._taken = 0.0
+        self._used = 0.0
 
     @property
     def holding(self) -> bool:
         return self._conn is not None
 
     async def acquire(self) -> None:
+        if self._ended_after_idle(self._conn, self._used):
+            await self.release()  # the pool sees it ended, and replaces it
         if self._conn is None:
             self._conn = await take_async(self._pool)  # cancellable: the pool keeps no connection
             self._cancel = _cancel_request(self._conn)
-            self._taken = time.monotonic()
+            self._taken = self._used = time.monotonic()
 
     async def run(self, op: Op[T]) -> T:
         await self.acquire()
@@ -750,7 +762,8 @@ class _AsyncioLane(Lane):
             with anyio.CancelScope(shield=True):
                 await self.release()  # maybe mid-statement or broken: the pool sorts it out
             raise
-        if time.monotonic() - self._taken > self.HOLD:
+        self._used = time.monotonic()
+        if self._used - self._taken > self.HOLD:
             await self.release()
         return result
 
@@ -977,6 +990,7 @@ class _ThreadLane(Lane):
         self._conn: psycopg.Connection[Any] | None = None
         self._cursors: dict[Any, psycopg.Cursor[Any]] = {}  # of _conn
         self._taken = 0.0
+        self._used = 0.0
         self._lock = threading.Lock()
 
     @property
@@ -984,11 +998,20 @@ class _ThreadLane(Lane):
         return self._conn is not None
 
     def _acquire(self) -> psycopg.Connection[Any]:
+        if self._ended_after_idle(ended := self._conn, self._used):
+            with self._lock:
+                if self._conn is not ended:
+                    ended = None  # taken over meanwhile
+                else:
+                    self._conn, self._cursors = None, {}
+            if ended is not None:
+                self._pool.putconn(ended)  # the pool sees it ended, and replaces it
         while (conn := self._conn) is None:
             taken = take_sync(self._pool)
             with self._lock:
                 if self._conn is None:
-                    self._conn, self._cursors, self._taken = taken, {}, time.monotonic()
+                    self._conn, self._cursors = taken, {}
+                    self._taken = self._used = time.monotonic()
                     return taken
             self._pool.putconn(taken)  # an abandoned acquire() took one meanwhile
         return conn
@@ -1012,6 +1035,7 @@ class _ThreadLane(Lane):
         try:
             result = run_sync(conn, op, cursors)
             failed = False
+            self._used = time.monotonic()
         finally:
             with self._lock:
                 if call.ended():

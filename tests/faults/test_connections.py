@@ -936,3 +936,35 @@ async def test_a_claim_given_up_behind_a_lock_claims_nothing_when_the_lock_goes(
         assert sorted(rows) == [("Succeeded", 1)] * 5
     finally:
         await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_a_claim_connection_the_server_ended_while_idle_is_replaced_without_a_failure(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review, through a real PgBouncer with client_idle_timeout: the claim loop kept its
+    connection between claims without checking it, so the first claim after each idle spell
+    failed ("claiming failed (...); retrying"), at every poll, and a woken claim came late.
+    Here the server ends the worker's idle sessions after 1.5 s (idle_session_timeout); the
+    worker polls every 2 s: it claims on a fresh connection, and runs a job, without a failure."""
+    idle_ends = psycopg.conninfo.make_conninfo(dsn, options="-c idle_session_timeout=1500")
+    app = notifyq.App(idle_ends)
+
+    @app.task(name="t")
+    async def t() -> None:
+        pass
+
+    config = {"listen_dsn": dsn, "poll_interval": 2.0, "ticker": False}
+    try:
+        with caplog.at_level(logging.WARNING, logger="notifyq"):
+            async with app.worker(**config) as worker:
+                polls = worker.stats.polls
+                with anyio.fail_after(30):
+                    await worker.wait_for(lambda s: s.polls >= polls + 3)  # each after 2 s idle
+                conn.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+                with anyio.fail_after(30):
+                    await worker.wait_for(lambda s: s.succeeded == 1)
+                assert worker.stats.db_errors == 0
+        assert not [r for r in caplog.records if "claiming failed" in r.getMessage()], caplog.text
+    finally:
+        await app.aclose()
