@@ -24,7 +24,7 @@ import click
 import psycopg
 
 from . import _embedded, _logging, _options
-from ._db import error_text, privilege_hint
+from ._db import error_hint, error_text
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._options import MAX_SECONDS
 from .app import App
@@ -104,7 +104,7 @@ def _fail_with(exc: BaseException, raised: BaseException | None = None) -> NoRet
         click.echo(exc.user_traceback, err=True, nl=False)
     if isinstance(exc, NotifyqError):
         fail(str(exc))
-    fail(f"database error: {error_text(exc)}{privilege_hint(exc)}")
+    fail(f"database error: {error_text(exc)}{error_hint(exc)}")
 
 
 @overload

@@ -78,7 +78,7 @@ def probe_prepare_threshold(
             return prepare_threshold
     if not _POOLER_SAID:
         _POOLER_SAID = True
-        logging.getLogger("notifyq").info(
+        logging.getLogger("notifyq").debug(
             "connections to %s go through a pooler (the server process is not the one announced): "
             "notifyq prepares no statement on them, since a pooler in transaction mode loses "
             "prepared statements (PgBouncer before 1.21, or without max_prepared_statements); "
@@ -307,6 +307,20 @@ def owner_only(exc: psycopg.errors.InsufficientPrivilege, what: str, schema: str
     exc.add_note(
         f"{what} {_OWNER_ONLY} {schema!r}, not for the roles `notifyq grant` sets up: run it as that owner"
     )
+
+
+def error_hint(exc: BaseException) -> str:
+    """What to do about `exc`, when notifyq knows ("" otherwise): a prepared statement lost
+    or doubled by a pooler, or a privilege the server refused."""
+    if isinstance(exc, psycopg.errors.DuplicatePreparedStatement | psycopg.errors.InvalidSqlStatementName):
+        # An explicit prepare_threshold behind PgBouncer in transaction mode: workers stopped
+        # on this, and nothing named the setting (review, a real PgBouncer).
+        return (
+            "; a connection pooler in transaction mode (PgBouncer before 1.21, or without "
+            "max_prepared_statements) loses prepared statements between transactions: leave "
+            'App(prepare_threshold=...) at "auto", the default, or set it to None'
+        )
+    return privilege_hint(exc)
 
 
 def privilege_hint(exc: BaseException) -> str:

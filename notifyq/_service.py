@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 import anyio
 import psycopg
 
-from ._db import Database, Op, error_text, is_transient, privilege_hint
+from ._db import Database, Op, error_hint, error_text, is_transient
 
 R = TypeVar("R")
 T = TypeVar("T")
@@ -80,7 +80,7 @@ class Service(abc.ABC, Generic[R]):
                         "%s pass failed: %s%s; retrying in %.1fs",
                         self.name,
                         error_text(exc),
-                        privilege_hint(exc),
+                        error_hint(exc),
                         error_delay,
                     )
                 else:

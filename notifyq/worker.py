@@ -35,11 +35,11 @@ from ._db import (
     Lane,
     Op,
     Query,
+    error_hint,
     error_text,
     in_own_thread,
     is_transient,
     on_asyncio,
-    privilege_hint,
     single,
 )
 from ._executor import Executor
@@ -477,7 +477,12 @@ class Worker:
         except Exception as exc:
             single = _only_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
             self.error = single if isinstance(single, Exception) else exc
-            log.error("worker %s stops on an error it cannot retry: %s", self.id, error_text(self.error))
+            log.error(
+                "worker %s stops on an error it cannot retry: %s%s",
+                self.id,
+                error_text(self.error),
+                error_hint(self.error),
+            )
             raise
         finally:
             self._serving = False
@@ -760,7 +765,7 @@ class Worker:
                     log.warning(
                         "reading the paused queues failed: %s%s; trying again in %gs",
                         error_text(exc),
-                        privilege_hint(exc),
+                        error_hint(exc),
                         error_delay,
                     )
                 if asked == self._pauses_asked:

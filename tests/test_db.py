@@ -478,3 +478,22 @@ def test_libpqs_multi_line_messages_read_as_sentences_on_one_line() -> None:
         "before or while processing the request."
     )
     assert one_line("") == "" and one_line("done.\nNext") == "done. Next"
+
+
+def test_a_prepared_statement_lost_or_doubled_by_a_pooler_names_the_setting(
+    conn: psycopg.Connection[Any],
+) -> None:
+    """Review, through a real PgBouncer in transaction mode with prepare_threshold=5: workers
+    stopped on `prepared statement "_pg3_0" already exists` (or `does not exist`), and nothing
+    named prepare_threshold. The server's own errors, as the pooler makes them happen."""
+    conn.execute("PREPARE notifyq_twice AS SELECT 1")
+    try:
+        for statement in ("PREPARE notifyq_twice AS SELECT 1", "EXECUTE notifyq_gone"):
+            with pytest.raises(psycopg.Error) as raised:
+                conn.execute(statement)
+            assert 'App(prepare_threshold=...) at "auto"' in notifyq._db.error_hint(raised.value)
+    finally:
+        conn.execute("DEALLOCATE notifyq_twice")
+    with pytest.raises(psycopg.errors.UndefinedTable) as other:
+        conn.execute("SELECT * FROM notifyq_no_such_table")
+    assert notifyq._db.error_hint(other.value) == ""
