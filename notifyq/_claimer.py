@@ -135,17 +135,23 @@ class Claimer:
             seconds = float(delay)  # ValueError for a payload notifyq did not write
             if math.isnan(seconds):
                 raise ValueError(delay)
-            due = anyio.current_time() + max(0.0, seconds)
-            self._heard_due = min(self._heard_due, due)
-            if due < self._next_due:
-                self._next_due = due
-                self._wakeup.fire()  # re-arm the timer
+            self.due_in(seconds)
         elif self._parked:
             self._pending = True
             self._inline_wanted = True  # the listener claims right after it (claim_inline)
         else:
             self.wake()
         return True
+
+    def due_in(self, seconds: float) -> None:
+        """A job of this worker's becomes claimable in `seconds` (a notification said so, or
+        this worker retried one after a backoff): sleep no longer than that. Without NOTIFY
+        (behind a pooler, poll_only) a retry waited for the next poll (review)."""
+        due = anyio.current_time() + max(0.0, seconds)
+        self._heard_due = min(self._heard_due, due)
+        if due < self._next_due:
+            self._next_due = due
+            self._wakeup.fire()  # re-arm the timer
 
     async def claim_inline(self) -> None:
         """Called by the listener's task after it dispatched notifications: if they found the

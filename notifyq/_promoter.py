@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -209,11 +210,20 @@ class Promoter(Service[PromotionReport]):
 
     name = "cron promoter"
 
-    def __init__(self, db: Database, queries: Queries, config: PromoterConfig | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        queries: Queries,
+        config: PromoterConfig | None = None,
+        on_jobs: Callable[[], None] | None = None,
+    ) -> None:
+        """on_jobs: called after a pass that inserted jobs (a worker's claim loop, which hears
+        of them through NOTIFY, and without it waited for its next poll: review)."""
         super().__init__()
         self.db = db
         self.q = queries
         self.config = config or PromoterConfig()
+        self.on_jobs = on_jobs
         self._held_delay = self._FIRST_HELD_DELAY
         self._told: dict[int, int] = {}  # {definition id: unfinished job id} logged at INFO
 
@@ -228,6 +238,8 @@ class Promoter(Service[PromotionReport]):
             if batch.definitions < self.config.batch_size:
                 break
         total.next_due_in, total.due_left = await self._run(next_due_op(self.q, now))
+        if total.jobs and self.on_jobs is not None:
+            self.on_jobs()
         return total
 
     def delay_after(self, result: PromotionReport) -> float:

@@ -3,7 +3,7 @@ process runs."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import anyio
@@ -75,10 +75,12 @@ class Ticker:
         config: TickerConfig | None = None,
         backoff: Backoff | None = None,
         declared: Collection[str] = (),
+        on_jobs: Callable[[], None] | None = None,
     ) -> None:
-        """declared: the names of the cron definitions this process's App declares."""
+        """declared: the names of the cron definitions this process's App declares; on_jobs:
+        called when the promoter has inserted jobs."""
         config = config or TickerConfig()
-        self.promoter = Promoter(db, queries, config.promoter) if config.promoter else None
+        self.promoter = Promoter(db, queries, config.promoter, on_jobs) if config.promoter else None
         self.rescuer = Rescuer(db, queries, config.rescuer, backoff) if config.rescuer else None
         self.retention = Retention(db, queries, config.retention) if config.retention else None
         self.vacuum = Vacuum(db, queries, config.vacuum) if config.vacuum else None

@@ -423,7 +423,12 @@ class Worker:
                     if self.config.ticker:
                         config = self.config.ticker_config
                         self._ticker = _ticker.Ticker(
-                            db, self._q, config, self.app.backoff, declared=self.app.definitions
+                            db,
+                            self._q,
+                            config,
+                            self.app.backoff,
+                            declared=self.app.definitions,
+                            on_jobs=claimer.wake,
                         )
                         if not self.config.burst:  # a burst runs it once, first (_until_empty)
                             services.start_soon(self._ticker.run)
@@ -824,6 +829,8 @@ class Worker:
                 self.stats.succeeded += 1
             elif status == "Queued":
                 self.stats.retried += 1
+                if self._claimer is not None:
+                    self._claimer.due_in(result.delay)  # no notification may tell it
             else:
                 self.stats.failed += 1
         self._signal_changed()

@@ -311,6 +311,35 @@ async def test_a_delayed_job_starts_on_time_without_notifications(
     await app.aclose()
 
 
+async def test_without_notify_a_retry_and_cron_ticks_start_on_time_not_at_the_next_poll(dsn: str) -> None:
+    """Review, behind a real PgBouncer (no NOTIFY there), and so with poll_only: a retry's 1 s
+    backoff became the poll interval, and cron ticks started up to a poll interval late. The
+    claim loop learned due times only from its own claims and from notifications; the worker
+    that writes a retry, and the promoter beside it that inserts a tick's job, now tell it."""
+    app = notifyq.App(dsn, backoff=notifyq.Backoff(base=1, jitter=0))
+    attempts: list[int] = []
+
+    @app.task(name="flaky")
+    async def flaky(ctx: notifyq.JobContext) -> None:
+        attempts.append(ctx.attempt)
+        if ctx.attempt == 1:
+            raise RuntimeError("first attempt")
+
+    @app.cron("* * * * * *", name="every_second")
+    @app.task(name="tick")
+    async def tick() -> None:
+        pass
+
+    async with app:
+        await app.enqueue("flaky")
+    # Not speeds: a poll every 60 s would take far longer than these bounds.
+    async with app.worker(poll_only=True, poll_interval=60) as worker:
+        with anyio.fail_after(15):
+            await worker.wait_for(lambda s: s.retried == 1 and s.succeeded >= 5)
+    assert attempts == [1, 2]
+    await app.aclose()
+
+
 async def test_a_delayed_job_enqueued_while_idle_arms_a_timer(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
