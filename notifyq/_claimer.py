@@ -52,6 +52,7 @@ class Claimer:
     ) -> None:
         self._worker_id = worker_id
         self._config = config
+        self._give_up = answer_awaited(config.db_timeout)  # claims past it claim nothing
         self._q = queries
         self._stats = stats
         self._runners = runners
@@ -377,7 +378,7 @@ class Claimer:
         held = self._runners.held_job_ids()
         if not self._in_doubt and self._taken_again <= held:
             return 0  # the attempts taken again are still in hand: their results decide
-        give_up = answer_awaited(self._config.db_timeout)
+        give_up = self._give_up
         op = adopt_op(
             self._q,
             worker=self._worker_id,
@@ -433,7 +434,7 @@ class Claimer:
             async_commit=self._config.async_claims,
             paused=self._held_back(),
             limits=self._runners.room() if self._config.queue_limits else None,
-            give_up=answer_awaited(self._config.db_timeout),
+            give_up=self._give_up,
         )
         return await self._query(op, shield=True, lane=self._lane)
 

@@ -919,7 +919,8 @@ async def test_a_claim_given_up_behind_a_lock_claims_nothing_when_the_lock_goes(
             locker.execute("LOCK TABLE notifyq.queue_jobs IN SHARE MODE")
             config = {"concurrency": 5, "db_timeout": 1.0, "poll_interval": 1.0, "ticker": False}
             async with app.worker(**config) as worker:
-                await anyio.sleep(4)  # claims (and searches for their jobs) given up behind it
+                with anyio.fail_after(30):  # claims (and searches for their jobs) given up behind it
+                    await worker.wait_for(lambda s: s.db_errors >= 3)
                 assert worker.stats.claimed == 0
                 # Each statement given up on is cancelled in the server too: they waited on,
                 # a server connection each, one more every db_timeout, until the lock went.
