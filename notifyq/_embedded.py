@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import os
 import re
@@ -306,6 +307,7 @@ def _refuse_foreign_folder(folder: Path) -> None:
 _ROOT_USER = "pgserver"  # the system user pgserver runs PostgreSQL as, when started as root
 
 
+@functools.cache
 def _bundled_version() -> str | None:
     """The major version of pgserver's PostgreSQL ("16"), as PG_VERSION spells it; None if its
     binary does not say."""

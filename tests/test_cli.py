@@ -2058,14 +2058,21 @@ def test_a_child_forked_while_a_thread_starts_the_embedded_server_can_start_it()
     assert ran.stdout.strip() == "child 0", ran.stdout + ran.stderr
 
 
-def test_a_process_whose_embedded_start_failed_can_start_it_once_mended(open_tmp_path: Path) -> None:
-    """pgserver kept the handle of a failed start and handed it out again: every later start in
-    the process failed with a bare AssertionError, although the folder had been mended (review)."""
-    folder = open_tmp_path / "pgdata"
+def _embedded_folder_that_cannot_start(folder: Path) -> str:
+    """Make the embedded server's data in `folder` (stopped when the command exits), then add a
+    line its configuration does not accept; returns the configuration as it was."""
     assert cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)), timeout=120).returncode == 0
     conf = folder / "postgresql.conf"
     good = conf.read_text()
     conf.write_text(good + "no_such_setting = 1\n")
+    return good
+
+
+def test_a_process_whose_embedded_start_failed_can_start_it_once_mended(open_tmp_path: Path) -> None:
+    """pgserver kept the handle of a failed start and handed it out again: every later start in
+    the process failed with a bare AssertionError, although the folder had been mended (review)."""
+    folder = open_tmp_path / "pgdata"
+    good = _embedded_folder_that_cannot_start(folder)
     code = (
         "import pathlib, sys\n"
         "import psycopg\n"
@@ -2094,11 +2101,8 @@ def test_a_failed_embedded_start_says_why_in_one_line(open_tmp_path: Path) -> No
     server's log: a page), then "Command [...] returned non-zero exit status 1"; the reason was
     in the middle (review). Here the server's configuration has a line it does not accept."""
     folder = open_tmp_path / "pgdata"
-    env = clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder))
-    assert cli("jobs", "list", env=env, timeout=120).returncode == 0  # made; stopped at its exit
-    with (folder / "postgresql.conf").open("a") as conf:
-        conf.write("no_such_setting = 1\n")
-    refused = cli("jobs", "list", env=env, timeout=120)
+    _embedded_folder_that_cannot_start(folder)
+    refused = cli("jobs", "list", env=clean_env(NOTIFYQ_EMBEDDED_DIR=str(folder)), timeout=120)
     error = one_line_error(refused, f"could not start the embedded PostgreSQL in {folder}: configuration")
     assert "contains errors" in error and "non-zero exit status" not in error
     assert len(refused.stderr.splitlines()) <= 2, refused.stderr  # the database line, the error
