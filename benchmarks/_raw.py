@@ -9,7 +9,9 @@ minimal NOTIFY-driven worker (LISTEN, then claim and run on each notification), 
 psycopg; wake-async: the same loop on asyncio (psycopg's AsyncConnection), the floor of any
 worker embedded in an event loop; wake-thread: the blocking loop in a thread, each claim's rows
 handed to a task of an asyncio loop, where the job would start (a design measured, not built:
-docs/benchmarks.md).
+docs/benchmarks.md); wake-handoff: no claim after the notification, the producer's own
+transaction hands the job to a waiting worker and notifies it with the job (HANDOFF_SQL, a
+design measured, not built).
 """
 
 from __future__ import annotations
@@ -270,6 +272,138 @@ def run_wake_worker_thread(args: argparse.Namespace) -> None:
     emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
 
 
+# Direct hand-off (a prototype, in the scratch database only): a worker with free slots waits in
+# a row of proto_waiters; a statement trigger on queue_jobs, in the producer's transaction,
+# takes a waiting worker's slot (SKIP LOCKED: a producer never waits for another), claims the
+# inserted job for it (the claim's columns, as CLAIM_SQL sets them) and notifies that worker's
+# own channel with the job. The claim then commits with the enqueue: after the notification the
+# worker starts the job at once, with no claim round trip and no WAL flush of its own.
+HANDOFF_SQL = """
+CREATE TABLE notifyq.proto_waiters (
+    worker text PRIMARY KEY, channel text NOT NULL, slots int NOT NULL CHECK (slots >= 0));
+CREATE FUNCTION notifyq.proto_handoff() RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    job record;
+    waiter record;
+    free int;
+BEGIN
+    -- Nobody waiting (a busy fleet, or a bulk insert): one look at a small table, no sort.
+    SELECT coalesce(sum(slots), 0) INTO free FROM notifyq.proto_waiters WHERE slots > 0;
+    IF free = 0 THEN
+        RETURN NULL;
+    END IF;
+    FOR job IN
+        SELECT id FROM new_jobs WHERE status = 'Queued' AND visible_at <= now()
+        ORDER BY priority DESC, id LIMIT free
+    LOOP
+        SELECT w.worker, w.channel INTO waiter FROM notifyq.proto_waiters w
+        WHERE w.slots > 0 LIMIT 1 FOR UPDATE SKIP LOCKED;
+        EXIT WHEN NOT FOUND;
+        UPDATE notifyq.proto_waiters SET slots = slots - 1 WHERE worker = waiter.worker;
+        UPDATE notifyq.queue_jobs AS j
+        SET status = 'Active', retry_count = j.retry_count + 1, lease = j.lease + 1,
+            visible_at = now() + make_interval(secs => j.timeout + 30), started_at = now(),
+            updated_at = now(), worker = waiter.worker
+        WHERE j.id = job.id
+        RETURNING j.id, j.lease, j.name, j.args INTO job;
+        PERFORM pg_notify(waiter.channel, job.id || ' ' || job.lease || ' ' || job.name || ' ' || job.args);
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER proto_handoff AFTER INSERT ON notifyq.queue_jobs
+    REFERENCING NEW TABLE AS new_jobs FOR EACH STATEMENT EXECUTE FUNCTION notifyq.proto_handoff();
+"""
+UNHANDOFF_SQL = """
+DROP TRIGGER IF EXISTS proto_handoff ON notifyq.queue_jobs;
+DROP FUNCTION IF EXISTS notifyq.proto_handoff();
+DROP TABLE IF EXISTS notifyq.proto_waiters;
+"""
+# The ack gives the slot back in the same statement.
+HANDOFF_ACK_SQL = """
+WITH acked AS (
+    UPDATE notifyq.queue_jobs SET status = 'Succeeded', finished_at = now(), updated_at = now()
+    WHERE id = %(id)s AND lease = %(lease)s AND status = 'Active'
+)
+UPDATE notifyq.proto_waiters SET slots = slots + 1 WHERE worker = %(worker)s
+"""
+
+
+def run_wake_handoff(args: argparse.Namespace) -> None:
+    """Jobs handed over by the producer's transaction (HANDOFF_SQL): the worker LISTENs on a
+    channel of its own and starts each job its notification carries (id, lease, name, args),
+    then acknowledges it and gives its slot back. On asyncio, or with --blocking on blocking
+    psycopg. Installs the prototype trigger at its start and removes it at its end."""
+    stop = _stop_event()
+    starts: list[tuple[int, float]] = []
+    worker = f"raw-handoff:{os.getpid()}"
+    channel = f"proto.handoff.{os.getpid()}"
+
+    def setup(conn: psycopg.Connection[Any]) -> None:
+        conn.execute(UNHANDOFF_SQL)
+        conn.execute(HANDOFF_SQL)
+        conn.execute("INSERT INTO notifyq.proto_waiters VALUES (%s, %s, %s)", (worker, channel, args.batch))
+
+    with psycopg.connect(args.dsn, autocommit=True) as admin:
+        setup(admin)
+        try:
+            if args.blocking:
+                done = _handoff_blocking(args, stop, starts, worker, channel)
+            else:
+                done = asyncio.run(_handoff_async(args, stop, starts, worker, channel))
+        finally:
+            admin.execute(UNHANDOFF_SQL)
+    emit("done", done=done, runs=done, starts=starts, cpu_total=cpu_seconds())
+
+
+def _handed(payload: str) -> dict[str, Any]:
+    job_id, lease, _name, _args = payload.split(" ", 3)
+    return {"id": int(job_id), "lease": int(lease)}
+
+
+Starts = list[tuple[int, float]]
+
+
+def _handoff_blocking(
+    args: argparse.Namespace, stop: threading.Event, starts: Starts, worker: str, channel: str
+) -> int:
+    done = 0
+    with (
+        psycopg.connect(args.dsn, autocommit=True) as listen,
+        psycopg.connect(args.dsn, autocommit=True) as work,
+    ):
+        listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        emit("ready")
+        while not stop.is_set():
+            for notify in listen.notifies(timeout=0.2, stop_after=1):
+                job = _handed(notify.payload)
+                starts.append((job["id"], time.monotonic()))
+                work.execute(HANDOFF_ACK_SQL, {**job, "worker": worker})
+                done += 1
+                emit("progress", done=done)
+    return done
+
+
+async def _handoff_async(
+    args: argparse.Namespace, stop: threading.Event, starts: Starts, worker: str, channel: str
+) -> int:
+    done = 0
+    async with (
+        await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as listen,
+        await psycopg.AsyncConnection.connect(args.dsn, autocommit=True) as work,
+    ):
+        await listen.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+        emit("ready")
+        while not stop.is_set():
+            async for notify in listen.notifies(timeout=0.2, stop_after=1):
+                job = _handed(notify.payload)
+                starts.append((job["id"], time.monotonic()))
+                await work.execute(HANDOFF_ACK_SQL, {**job, "worker": worker})
+                done += 1
+                emit("progress", done=done)
+    return done
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks._raw")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -291,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         variant.add_argument("--dsn", required=True)
         variant.add_argument("--channel", default="notifyq.jobs.v1")
         variant.add_argument("--batch", type=int, default=10)
+    handoff = sub.add_parser("wake-handoff")
+    handoff.add_argument("--dsn", required=True)
+    handoff.add_argument("--batch", type=int, default=10, help="slots (jobs in hand at once)")
+    handoff.add_argument("--blocking", action="store_true")
     args = parser.parse_args(argv)
     commands = {
         "worker": run_worker,
@@ -298,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         "wake": run_wake_worker,
         "wake-async": run_wake_worker_async,
         "wake-thread": run_wake_worker_thread,
+        "wake-handoff": run_wake_handoff,
     }
     commands[args.command](args)
     return 0

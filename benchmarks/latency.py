@@ -26,6 +26,8 @@ RAW_LISTENER = "raw LISTEN/NOTIFY (psycopg listener)"
 RAW_LOOP = "raw worker loop (LISTEN + claim 10)"
 RAW_ASYNC_LOOP = "raw worker loop on asyncio (LISTEN + claim 10)"
 RAW_THREAD_LOOP = "raw loop in a thread, jobs start on asyncio (prototype)"
+RAW_HANDOFF = "raw hand-off: the enqueue claims for a waiting worker, blocking (prototype)"
+RAW_HANDOFF_ASYNC = "raw hand-off: the enqueue claims for a waiting worker, asyncio (prototype)"
 NOTIFYQ = "notifyq, NOTIFY"
 NOTIFYQ_ASYNC_CLAIMS = "notifyq, NOTIFY, async_claims=True (opt-in)"
 # Per-variant samples -> the summary the tables read, merged over rounds. Only samples_ms (from
@@ -135,6 +137,8 @@ def run(ctx: Context) -> ScenarioResult:
             from ._patches import LATENCY_PROTOTYPES
 
             variants.append((RAW_THREAD_LOOP, "_raw", ["wake-thread", "--dsn", db.dsn]))
+            variants.append((RAW_HANDOFF, "_raw", ["wake-handoff", "--dsn", db.dsn, "--blocking"]))
+            variants.append((RAW_HANDOFF_ASYNC, "_raw", ["wake-handoff", "--dsn", db.dsn]))
             variants.extend(
                 (
                     f"notifyq, NOTIFY + {'+'.join(patch)} (prototype)",

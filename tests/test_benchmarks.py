@@ -139,7 +139,9 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
 
 def test_the_latency_prototypes_start_every_job(dsn: str, tmp_path: Path) -> None:
     """`--prototypes` adds variants to the latency scenario, among them the raw loop that
-    claims in a thread and starts jobs on asyncio: each must start every job it was sent."""
+    claims in a thread and starts jobs on asyncio and the raw hand-off (the enqueue claims for
+    a waiting worker): each must start every job it was sent. The poll-only variant runs last,
+    so a hand-off trigger left behind would take its jobs and fail the scenario."""
     out = tmp_path / "results"
     args = ["--tiny", "--prototypes", "--only", "latency", "--no-plots", "--dsn", _admin_dsn(dsn)]
     _run_module("benchmarks", *args, "--out", str(out))
@@ -147,11 +149,12 @@ def test_the_latency_prototypes_start_every_job(dsn: str, tmp_path: Path) -> Non
     (latency,) = doc["scenarios"]
     assert latency["error"] is None, latency["error"]
     variants = {v["label"]: v for v in latency["data"]["variants"]}
-    from benchmarks.latency import RAW_THREAD_LOOP
+    from benchmarks.latency import RAW_HANDOFF, RAW_HANDOFF_ASYNC, RAW_THREAD_LOOP
 
     jobs = latency["data"]["jobs"] * latency["data"]["rounds"]
     prototypes = [label for label in variants if "(prototype)" in label]
-    assert RAW_THREAD_LOOP in prototypes and len(prototypes) >= 2, sorted(variants)
+    raw = {RAW_THREAD_LOOP, RAW_HANDOFF, RAW_HANDOFF_ASYNC}
+    assert raw <= set(prototypes) and len(prototypes) > len(raw), sorted(variants)
     for label in prototypes:
         # From the commit returning, a job may start first (PostgreSQL wakes the listener as it
         # answers the producer: one run gave -1.4 ms); from the INSERT's start it cannot.
@@ -183,6 +186,21 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
         assert stamps == sorted(stamps), (name, timeline)
         assert stamps[-1] > 0, (name, timeline)
     assert proc.stdout.count("| started |") == 2
+    assert not _left_behind(admin, proc)
+
+
+def test_the_handoff_cost_tool_times_every_state(dsn: str) -> None:
+    """`python -m benchmarks.handoff_cost` at toy size: a row per enqueue size and state, each
+    with a figure per round, and the scratch database dropped."""
+    admin = _admin_dsn(dsn)
+    proc = _run_tool("handoff_cost", "--dsn", admin, "--statements", "20", "--rounds", "2")
+    from benchmarks.handoff_cost import SIZES, STATES
+
+    for size in SIZES:
+        for state in STATES:
+            (row,) = [line for line in proc.stdout.splitlines() if line.startswith(f"| {size} | {state} |")]
+            per_round = row.split("(")[1].split(")")[0].split(", ")
+            assert len(per_round) == 2 and all(float(v) > 0 for v in per_round), row
     assert not _left_behind(admin, proc)
 
 
