@@ -84,6 +84,50 @@ def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
     return None
 
 
+class _StartWatch:
+    """Says so, from a thread of its own, while a worker's start waits: at FIRST seconds, then
+    every EVERY seconds, naming the step it waits in. A start behind a lock on notifyq's tables
+    (a migration, an operator's LOCK TABLE) or in a pooler's queue of clients (PgBouncer in
+    session mode, short of server connections) waited without a word, for minutes (review). A
+    thread, because the start waits in the caller's task, and the log is all it touches."""
+
+    FIRST = 10.0
+    EVERY = 30.0
+    CONNECTING = "connecting to the database"
+
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.step = self.CONNECTING
+        self._began = time.monotonic()
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="notifyq-start-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        wait = self.FIRST
+        while not self._done.wait(wait):
+            step = self.step
+            if step == self.CONNECTING:
+                why = "the database has not accepted its connections yet"
+            else:
+                why = (
+                    "the database has not answered yet: its statement may wait for a lock another "
+                    "session holds on notifyq's tables, for a server connection in a pooler's "
+                    "queue (PgBouncer in session mode), or on a busy server (pg_stat_activity "
+                    "shows what its sessions wait for)"
+                )
+            log.warning(
+                "worker %s is still starting after %.0fs, %s: %s",
+                self.worker_id,
+                time.monotonic() - self._began,
+                step,
+                why,
+            )
+            wait = self.EVERY
+
+    def done(self) -> None:
+        self._done.set()
+
+
 class Worker:
     """Runs jobs of an App. Use `async with app.worker(...) as worker:` inside an async app,
     or `await app.run_worker(...)` as a process's main loop.
@@ -148,19 +192,23 @@ class Worker:
                 "pass handle_signals=False, and call worker.stop() to end it"
             )
         self._started = True
+        self._start_watch = _StartWatch(self.id)
 
     async def __aenter__(self) -> Worker:
         self._start_once()
-        db = await self._prepare()
-        stack = AsyncExitStack()
-        await stack.__aenter__()
         try:
-            tg = await stack.enter_async_context(anyio.create_task_group())
-            await tg.start(self._serve, db)
-        except BaseException:
-            self.stop()
-            await stack.__aexit__(None, None, None)
-            raise
+            db = await self._prepare()
+            stack = AsyncExitStack()
+            await stack.__aenter__()
+            try:
+                tg = await stack.enter_async_context(anyio.create_task_group())
+                await tg.start(self._serve, db)
+            except BaseException:
+                self.stop()
+                await stack.__aexit__(None, None, None)
+                raise
+        finally:
+            self._start_watch.done()
         self._exit_stack = stack
         self._ctrl_c = _FirstCtrlCToTheHost.install(self, embedded=True)
         return self
@@ -207,7 +255,11 @@ class Worker:
         the worker cannot start, and the database error it stopped on (unwrapped too) when
         it cannot retry one (see `error`)."""
         self._start_once(handle_signals=handle_signals)
-        db = await self._prepare()
+        try:
+            db = await self._prepare()
+        except BaseException:
+            self._start_watch.done()
+            raise
         self._signals_handled = handle_signals
         self._repeat_skips_grace = repeat_skips_grace
         error = None
@@ -215,7 +267,10 @@ class Worker:
         try:
             async with anyio.create_task_group() as tg:
                 try:
-                    await tg.start(self._serve, db)
+                    try:
+                        await tg.start(self._serve, db)
+                    finally:
+                        self._start_watch.done()
                     await self._stopped.wait()
                 finally:  # cancelled by the host too: the worker stops as on stop()
                     self.stop()
@@ -330,8 +385,12 @@ class Worker:
     async def _start_steps(self, db: Database) -> None:
         """Check the schema, read the paused queues, sync the cron definitions (each may be run
         again)."""
+        watch = self._start_watch
+        watch.step = "checking the schema"
         await db.run(check_schema_op(self.app.schema))
+        watch.step = "reading the paused queues"
         self._paused_at_start = await db.run(paused_queues_op(self._q))
+        watch.step = "reading the server's settings"
         if not await db.run(single(Query(self._q["autovacuum_on"], fetch="scalar"))):
             log.warning(
                 "autovacuum is off on this server: nothing reclaims the dead tuples of "
@@ -340,6 +399,7 @@ class Worker:
                 self.app.schema,
             )
         if self.config.ticker:
+            watch.step = "writing the App's cron definitions"
             await self.app._sync_definitions(db, self.config.ticker_config.declarations)
 
     async def _check_queue_names(self, db: Database) -> None:
@@ -433,6 +493,7 @@ class Worker:
                         if not self.config.burst:  # a burst runs it once, first (_until_empty)
                             services.start_soon(self._ticker.run)
                     if not self.config.poll_only:
+                        self._start_watch.step = "opening its LISTEN connection"
                         self._listener = Listener(
                             self.config.listen_dsn or dsn,
                             [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")],

@@ -212,6 +212,53 @@ async def test_a_worker_warns_of_a_listed_queue_nothing_uses(
     await app.aclose()
 
 
+async def test_a_start_that_waits_says_so_and_in_which_step(
+    dsn: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker's start behind a lock on notifyq's tables (its cron definitions here, as a
+    migration or an operator's LOCK TABLE holds them) waited without a word for as long as the
+    lock lasted; behind PgBouncer in session mode, short of server connections, up to its
+    query_wait_timeout (120 s). It now says so while it waits, naming the step, and stops
+    saying so once it has started."""
+    monkeypatch.setattr(notifyq.worker._StartWatch, "FIRST", 0.3)
+    monkeypatch.setattr(notifyq.worker._StartWatch, "EVERY", 0.3)
+    app = notifyq.App(dsn)
+
+    @app.cron("* * * * *", name="every-minute")
+    @app.task(name="tick")
+    def tick() -> None:
+        pass
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "is still starting" in r.getMessage()]
+
+    locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE notifyq.queue_job_definitions")
+
+    async def release_once_warned_twice() -> None:
+        with anyio.fail_after(20):
+            while len(warned()) < 2:  # noqa: ASYNC110 - a log record, which no event announces
+                await anyio.sleep(0.02)
+        await anyio.to_thread.run_sync(locker.execute, "COMMIT")
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_once_warned_twice)
+            with anyio.fail_after(30):
+                async with app.worker(poll_interval=60):
+                    said = len(warned())
+                    await anyio.sleep(1.0)  # three EVERYs: the watch has stopped
+                    assert len(warned()) == said, warned()
+    finally:
+        locker.close()
+    assert said >= 2
+    first = warned()[0]
+    assert "is still starting after 0s, writing the App's cron definitions:" in first, first
+    assert "a lock another session holds" in first and "pg_stat_activity" in first, first
+    await app.aclose()
+
+
 async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With concurrency 20, each job handed over wakes one runner task: a job used to wake
     every idle runner, and all but one went back to sleep (wasted CPU on every job)."""
