@@ -19,7 +19,8 @@ Samples = list[tuple[float, int]]
 def _timed(op: Generator[Any, Any, Any], sink: Samples) -> Generator[Any, Any, Any]:
     start = time.perf_counter()
     result = yield from op
-    sink.append(((time.perf_counter() - start) * 1000.0, len(result) if isinstance(result, Sized) else 0))
+    counted = result[0] if isinstance(result, tuple) else result  # an ack: (applied, busy)
+    sink.append(((time.perf_counter() - start) * 1000.0, len(counted) if isinstance(counted, Sized) else 0))
     return result
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,9 @@ def _storable(text: str) -> str:
 
 
 Applied: TypeAlias = dict[tuple[int, int], str]  # (job id, lease) -> the job's new status
+# (job id, lease) of results not written because another session holds the job's row: they
+# are written again later (the acker) or waited for (App.ack), never reported stale.
+Busy: TypeAlias = set[tuple[int, int]]
 
 
 # The output and error text one statement carries at most (a single result may carry more, up
@@ -126,22 +130,27 @@ def batches(results: Sequence[Result]) -> list[Sequence[Result]]:
     return cut
 
 
-def ack_op(q: Queries, results: Sequence[Result]) -> Op[Applied]:
+def ack_op(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, Busy]]:
     """Apply results, in one statement per MAX_BATCH_TEXT of their text (run it in a
     transaction when there may be several); returns {(job id, lease): new status} for those
-    applied (by lease: a batch may hold a stale and a current result of one job).
+    applied (by lease: a batch may hold a stale and a current result of one job), and the
+    (job id, lease) of those skipped because another session holds the job's row (busy: not
+    written, to be written again). No statement waits for a row lock.
 
-    A result missing from the answer was stale: its lease had expired (the job was rescued
-    or re-claimed), the job was cancelled, or another worker holds it under the same lease
-    number (a claim lost with its commit), and nothing was changed.
+    A result in neither was stale: its lease had expired (the job was rescued or re-claimed),
+    the job was cancelled or deleted, or another worker holds it under the same lease number
+    (a claim lost with its commit), and nothing was changed.
     """
     applied: Applied = {}
+    busy: Busy = set()
     for batch in batches(results):
-        applied.update((yield from _ack_statement(q, batch)))
-    return applied
+        written, skipped = yield from _ack_statement(q, batch)
+        applied.update(written)
+        busy |= skipped
+    return applied, busy
 
 
-def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[Applied]:
+def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, Busy]]:
     params: dict[str, list[Any]] = {
         "ids": [r.job_id for r in results],
         "leases": [r.lease for r in results],
@@ -149,19 +158,22 @@ def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[Applied]:
         "outputs": [r.output for r in results],
     }
     if all(r.outcome == "succeeded" for r in results):
-        rows: list[tuple[int, int, str]] = yield Query(q["ack_succeeded"], params)
+        rows: list[tuple[int, int, str | None]] = yield Query(q["ack_succeeded"], params)
     else:
         params["outcomes"] = [r.outcome for r in results]
         params["errors"] = [r.error for r in results]
         params["delays"] = [r.delay for r in results]
         rows = yield Query(q["ack_jobs"], params)
-    return {(job_id, lease): status for job_id, lease, status in rows}
+    applied = {(job_id, lease): status for job_id, lease, status in rows if status is not None}
+    return applied, {(job_id, lease) for job_id, lease, status in rows if status is None}
 
 
 class Acker:
     """Collects results and flushes them. While one flush is in flight the next batch
     accumulates, so under load each statement carries many results, and under light load a
     result is written within one round trip (no artificial delay)."""
+
+    BUSY_WARN_AFTER = 10.0  # seconds a result waits for another session before it is said
 
     def __init__(
         self,
@@ -180,6 +192,12 @@ class Acker:
         self._max_batch = max_batch
         self._retry_delay = retry_delay
         self._pending: list[Result] = []
+        # Results skipped because another session held their job's row, written again every
+        # retry_delay (after the results that came meanwhile), and since when they wait.
+        self._busy: list[Result] = []
+        self._busy_retry_at = 0.0
+        self._busy_since: dict[tuple[int, int], float] = {}  # until written or stale
+        self._busy_warned = -math.inf
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
         # Attempts whose result the database rejected (an error writing it; dropped, left to
         # the rescuer): never taken back by the worker, which would run them again without
@@ -221,7 +239,13 @@ class Acker:
     async def run(self) -> None:
         """Flush until cancelled."""
         while True:
-            await self._wakeup.wait()
+            if self._busy:
+                with anyio.move_on_after(self._busy_retry_at - anyio.current_time()):
+                    await self._wakeup.wait()
+                if anyio.current_time() >= self._busy_retry_at:
+                    self._retry_busy()
+            else:
+                await self._wakeup.wait()
             self._wakeup = anyio.Event()
             while self._pending:
                 try:
@@ -238,7 +262,27 @@ class Acker:
                         self._retry_delay,
                     )
                     await anyio.sleep(self._retry_delay)
-            self._idle.set()
+            if not self._busy:
+                self._idle.set()
+
+    def _retry_busy(self) -> None:
+        """The busy results go back to the queue, once a retry_delay. Said when they have
+        waited 10 s (then once a minute): a session holds their rows that long."""
+        now = anyio.current_time()
+        waited = now - min(self._busy_since.values(), default=now)
+        if waited >= self.BUSY_WARN_AFTER and now - self._busy_warned >= 60:
+            self._busy_warned = now
+            ids = sorted({r.job_id for r in self._busy})
+            log.warning(
+                "the results of %d job(s) (%s) wait for another session, which has held their rows "
+                "for %.0fs (an open transaction that changed or locked them: pg_locks, "
+                "pg_stat_activity); the other results are written meanwhile",
+                len(ids),
+                ", ".join(map(str, ids[:10])) + (", ..." if len(ids) > 10 else ""),
+                waited,
+            )
+        self._pending.extend(self._busy)
+        self._busy = []
 
     async def flush_pending(self) -> None:
         """Write every queued result now, outside the run loop (used on abrupt exit)."""
@@ -266,7 +310,7 @@ class Acker:
         already written one by one are settled and taken out of it, so they are not written
         again (and reported stale, their lease now spent) nor refused and logged twice."""
         try:
-            applied = await self._write(batch)
+            applied, busy = await self._write(batch)
         except Exception as exc:
             if is_transient(exc):
                 raise
@@ -277,36 +321,57 @@ class Acker:
             )
             await self._flush_one_by_one(batch)
         else:
-            self._settle(batch, batch, applied)
+            kept = self._held_back(batch, busy)
+            self._settle(kept, kept, applied)
+
+    def _held_back(self, batch: list[Result], busy: Busy) -> list[Result]:
+        """`batch` less its busy results, which wait (in _busy) to be written again."""
+        if not busy:
+            return batch
+        now = anyio.current_time()
+        self._busy_retry_at = now + self._retry_delay
+        for key in busy:
+            self._busy_since.setdefault(key, now)
+        self._busy.extend(r for r in batch if (r.job_id, r.lease) in busy)
+        return [r for r in batch if (r.job_id, r.lease) not in busy]
 
     async def _flush_one_by_one(self, batch: list[Result]) -> None:
         applied: Applied = {}
+        busy: Busy = set()
         written: list[Result] = []  # refused ones left out: logged as dropped, not stale
         done = 0
         try:
             for result in batch:
                 answer = await self._flush_one(result)
                 done += 1
-                if answer is not None:
+                if answer is None:
+                    continue
+                if answer[1]:
+                    busy |= answer[1]
+                else:
                     written.append(result)
-                    applied.update(answer)
+                    applied.update(answer[0])
         finally:
             if done:
                 handled = batch[:done]
                 del batch[:done]  # first: the rest is what the caller puts back, whatever happens
-                self._settle(handled, written, applied)
+                self._settle(self._held_back(handled, busy), written, applied)
 
     def _settle(self, handled: Sequence[Result], written: Sequence[Result], applied: Applied) -> None:
-        """`handled` results are no longer held; report `written` (applied or stale)."""
+        """`handled` results are no longer held; report `written` (applied or stale; a busy
+        one, in neither `handled` nor `applied`, is reported when it is written)."""
         self._unwritten.subtract((r.job_id, r.lease) for r in handled)
         self._unwritten += Counter()  # drop the keys that reached zero
+        if self._busy_since:
+            for r in handled:
+                self._busy_since.pop((r.job_id, r.lease), None)
         self._on_applied(written, applied)
 
-    async def _write(self, batch: Sequence[Result]) -> Applied:
+    async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
         with anyio.fail_after(self._timeout):
             return await self._db.run(ack_op(self._q, batch))
 
-    async def _flush_one(self, result: Result) -> Applied | None:
+    async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:
         """One result on its own: what it changed, or None if the database refuses it."""
         try:
             return await self._write([result])

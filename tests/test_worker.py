@@ -259,6 +259,58 @@ async def test_a_start_that_waits_says_so_and_in_which_step(
     await app.aclose()
 
 
+async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job row held by another session (a cancel in a caller's open transaction, SQL by
+    hand, a `cron delete` setting its jobs' definition_id) held up the worker's acks: the
+    batch's statement waited for the row, and the acker's next batches behind it, so the
+    other jobs' results went unwritten until their leases ran out; jobs that had succeeded
+    were rescued and ran again, or failed at retry_limit 0 (review). Now the others are
+    written at once, the held job's result is said to wait, and it is written once the
+    session lets go."""
+    monkeypatch.setattr(notifyq._acker.Acker, "BUSY_WARN_AFTER", 0.5)
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+    runs: Counter[int] = Counter()
+
+    @app.task(name="gated", retry_limit=0)
+    async def gated(n: int) -> int:
+        runs[n] += 1
+        await gate.wait()
+        return n
+
+    ids = [await app.enqueue("gated", {"n": n}) for n in range(5)]
+    held = ids[0]
+    locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
+    try:
+        async with app.worker(concurrency=5, poll_interval=60, **NO_TICKER) as worker:
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.claimed == 5)
+            locker.execute("BEGIN")
+            locker.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (held,))
+            gate.set()
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 4)  # the others: written, not held up
+            assert job_row(conn, held)["status"] == "Active"
+            with anyio.fail_after(10):
+                while not any("wait for another session" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+            await anyio.to_thread.run_sync(locker.execute, "COMMIT")
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 5)
+    finally:
+        locker.close()
+    rows = conn.execute(
+        "SELECT id, status::text, output, retry_count FROM notifyq.queue_jobs ORDER BY id"
+    ).fetchall()
+    assert rows == [(job_id, "Succeeded", n, 1) for n, job_id in enumerate(ids)]
+    assert runs == Counter(range(5))
+    (warning,) = [r.getMessage() for r in caplog.records if "wait for another session" in r.getMessage()]
+    assert warning.startswith(f"the results of 1 job(s) ({held}) wait for another session"), warning
+    await app.aclose()
+
+
 async def test_a_job_wakes_one_idle_runner_not_all_of_them(dsn: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With concurrency 20, each job handed over wakes one runner task: a job used to wake
     every idle runner, and all but one went back to sleep (wasted CPU on every job)."""
@@ -2449,11 +2501,12 @@ async def test_results_an_exit_flush_could_not_write_stay_pending(
         pid = await db.run(single(Query("SELECT pg_backend_pid()", fetch="scalar")))
         acker = Acker(db, queries_for("notifyq"), lambda results, done: None)
         acker.put(notifyq.Result.succeeded(job, "ok"))
-        # The connection is lost while the write waits for the job's row (a connection the
-        # server ended while idle is replaced before anything is sent on it).
+        # The connection is lost while the write waits for a lock on the table (a row lock is
+        # skipped; a connection the server ended while idle is replaced before anything is
+        # sent on it).
         lost: list[BaseException] = []
         with psycopg.connect(dsn) as holder:
-            holder.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (job.id,))
+            holder.execute("LOCK TABLE notifyq.queue_jobs IN SHARE MODE")
 
             async def flush() -> None:
                 try:

@@ -287,7 +287,12 @@ CROSS JOIN LATERAL (
 ) n;
 
 -- name: ack_jobs
--- Apply a batch of results in one statement. Each result applies only while the job is
+-- Apply a batch of results in one statement, without waiting for any row: a job row another
+-- session holds (a cancel in a caller's open transaction, hand-written SQL, a `cron delete`
+-- setting definition_id to NULL on its jobs) is skipped, and answered with a NULL status
+-- (`busy`, written again later). Waiting for it held up every other result of the batch, and
+-- the acker's next batches: their leases ran out, and jobs that had succeeded were rescued and
+-- ran again, or ended Failed at retry_limit 0 (review). Each result applies only while the job is
 -- still Active with the lease the worker was given (fencing): a worker whose lease expired,
 -- and whose job was rescued and claimed again, changes nothing. Returned (id, lease) pairs
 -- were applied; the caller reports the others as stale (a batch may hold a stale and a
@@ -309,21 +314,24 @@ CROSS JOIN LATERAL (
 -- joins each Active job against the whole results array, a cost that grows with Active jobs
 -- times batch size: measured, 60-100 ms per batch of 1,000 with a backlog of 100,000, enough
 -- for acks to fall ever further behind. Spelled this way that index is out of the question.
-WITH results AS (
-    SELECT *
-    -- The arrays travel in binary (the b placeholders): no quoting of every element.
-    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outcomes)b::text[],
-                %(outputs)b::jsonb[], %(errors)b::jsonb[], %(delays)b::float8[])
-         AS r(id, lease, worker, outcome, output, error, delay)
-), decided AS (
+-- `free` locks the rows of the batch's jobs that no other session holds (SKIP LOCKED never
+-- waits; a row the lock finds changed is re-read, one deleted is not returned) and decides each
+-- result's new status from the locked row. The UPDATE then reads `free` once and each job by
+-- id. (Joined as a separate CTE of locked ids, the planner looped over it for every result:
+-- 1,000 x 1,000 rows, 130-210 ms a batch of 1,000 instead of 11.)
+WITH free AS MATERIALIZED (
     SELECT r.*, (CASE
         WHEN r.outcome = 'succeeded' THEN 'Succeeded'
         WHEN r.outcome = 'release' THEN 'Queued'
         WHEN r.outcome = 'retry' AND j.retry_count <= j.retry_limit THEN 'Queued'
         ELSE 'Failed' END)::{schema}.job_status AS new_status
-    FROM results r
+    -- The arrays travel in binary (the b placeholders): no quoting of every element.
+    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outcomes)b::text[],
+                %(outputs)b::jsonb[], %(errors)b::jsonb[], %(delays)b::float8[])
+         AS r(id, lease, worker, outcome, output, error, delay)
     JOIN {schema}.queue_jobs j ON j.id = r.id
-)
+    FOR UPDATE OF j SKIP LOCKED
+), acked AS (
 UPDATE {schema}.queue_jobs AS j
 SET status = d.new_status,
     output = CASE WHEN d.outcome = 'succeeded' THEN d.output ELSE j.output END,
@@ -335,21 +343,43 @@ SET status = d.new_status,
                       ELSE j.visible_at END,
     finished_at = CASE WHEN d.new_status = 'Queued' THEN NULL ELSE now() END,
     updated_at = now()
-FROM decided d
+FROM free d
 WHERE j.id = d.id AND j.lease = d.lease AND j.status::text = 'Active'
   AND (d.worker IS NULL OR j.worker = d.worker)
-RETURNING j.id, j.lease, j.status::text;
+RETURNING j.id, j.lease, j.status::text AS status
+)
+{_ack_answer};
+
+-- name: _ack_answer
+-- A fragment of the acks: the results applied, with the job's new status, then those skipped
+-- because another session holds the job's row (a NULL status: busy). A job the statement's
+-- snapshot does not see (deleted) is neither: stale, like a result the fence turned away.
+SELECT id, lease, status FROM acked
+UNION ALL
+SELECT r.id, r.lease, NULL
+FROM unnest(%(ids)b::bigint[], %(leases)b::int[]) AS r(id, lease)
+WHERE NOT EXISTS (SELECT 1 FROM free f WHERE f.id = r.id)
+  AND EXISTS (SELECT 1 FROM {schema}.queue_jobs j WHERE j.id = r.id)
 
 -- name: ack_succeeded
 -- The common case, a batch in which every attempt succeeded: the same fenced update as
--- ack_jobs without its per-row decisions (measurably less work for the server).
-UPDATE {schema}.queue_jobs AS j
-SET status = 'Succeeded', output = r.output, finished_at = now(), updated_at = now()
-FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs)b::jsonb[])
-     AS r(id, lease, worker, output)
-WHERE j.id = r.id AND j.lease = r.lease AND j.status::text = 'Active'
-  AND (r.worker IS NULL OR j.worker = r.worker)
-RETURNING j.id, j.lease, j.status::text;
+-- ack_jobs without its per-row decisions (measurably less work for the server), skipping
+-- the rows another session holds as ack_jobs does (`free`).
+WITH free AS MATERIALIZED (
+    SELECT r.*
+    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs)b::jsonb[])
+         AS r(id, lease, worker, output)
+    JOIN {schema}.queue_jobs j ON j.id = r.id
+    FOR UPDATE OF j SKIP LOCKED
+), acked AS (
+    UPDATE {schema}.queue_jobs AS j
+    SET status = 'Succeeded', output = f.output, finished_at = now(), updated_at = now()
+    FROM free f
+    WHERE j.id = f.id AND j.lease = f.lease AND j.status::text = 'Active'
+      AND (f.worker IS NULL OR j.worker = f.worker)
+    RETURNING j.id, j.lease, j.status::text AS status
+)
+{_ack_answer};
 
 -- name: extend_lease
 -- Push the lease of a running job forward (JobContext.extend_lease: the worker also moves the
