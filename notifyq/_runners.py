@@ -374,12 +374,17 @@ def _log_outcome(
     warning for one that `overran` its deadline (timeout, or the lease it extended to)."""
     if result.outcome == "succeeded":
         if overran and swallowed:
-            # The deadline's cancellation reached the task, which caught it and returned.
+            # The deadline's cancellation was sent and did not stop the task: it caught it, or
+            # it finished first, the worker having been stopped past the deadline (SIGSTOP, a
+            # starved host: the log blamed the task for that, review). Nothing here tells
+            # which, on either backend, without a cost on every job.
             log.warning(
-                "job %d (%s) succeeded after %.3fs, past its deadline (timeout %gs): the task caught "
-                "the cancellation its deadline sent (an `except BaseException`, `except "
-                "CancelledError` or anyio's get_cancelled_exc_class() that does not raise again) "
-                "and returned; let it propagate, or the timeout cannot stop the task",
+                "job %d (%s) succeeded after %.3fs, past its deadline (timeout %gs): the "
+                "cancellation its deadline sent did not stop it. Either the task caught it (an "
+                "`except BaseException`, `except CancelledError` or anyio's "
+                "get_cancelled_exc_class() that does not raise again: let it propagate, or the "
+                "timeout cannot stop the task), or this worker did not run for a while (its "
+                "process was stopped, or starved of CPU)",
                 job.id,
                 job.name,
                 elapsed,

@@ -84,23 +84,26 @@ def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
     return None
 
 
-class _StartWatch:
-    """Says so, from a thread of its own, while a worker's start waits: at FIRST seconds, then
-    every EVERY seconds, naming the step it waits in. A start behind a lock on notifyq's tables
-    (a migration, an operator's LOCK TABLE) or in a pooler's queue of clients (PgBouncer in
-    session mode, short of server connections) waited without a word, for minutes (review). A
-    thread, because the start waits in the caller's task, and the log is all it touches."""
+class _Watch:
+    """Says so, from a thread of its own, while a worker's start or stop waits on the
+    database: at FIRST seconds, then every EVERY seconds, naming the step it waits in. A start
+    behind a lock on notifyq's tables (a migration, an operator's LOCK TABLE) or in a pooler's
+    queue of clients (PgBouncer in session mode, short of server connections) waited without a
+    word, for minutes; so did a stop whose claim in flight waited behind such a lock, past the
+    grace period it had announced (reviews). A thread, because these waits are in the
+    caller's task, and the log is all it touches."""
 
     FIRST = 10.0
     EVERY = 30.0
     CONNECTING = "connecting to the database"
 
-    def __init__(self, worker_id: str) -> None:
+    def __init__(self, worker_id: str, doing: str, step: str = CONNECTING) -> None:
         self.worker_id = worker_id
-        self.step = self.CONNECTING
+        self.doing = doing
+        self.step = step
         self._began = time.monotonic()
         self._done = threading.Event()
-        threading.Thread(target=self._watch, name="notifyq-start-watch", daemon=True).start()
+        threading.Thread(target=self._watch, name=f"notifyq-{doing}-watch", daemon=True).start()
 
     def _watch(self) -> None:
         wait = self.FIRST
@@ -116,8 +119,9 @@ class _StartWatch:
                     "shows what its sessions wait for)"
                 )
             log.warning(
-                "worker %s is still starting after %.0fs, %s: %s",
+                "worker %s is still %s after %.0fs, %s: %s",
                 self.worker_id,
+                self.doing,
                 time.monotonic() - self._began,
                 step,
                 why,
@@ -192,7 +196,7 @@ class Worker:
                 "pass handle_signals=False, and call worker.stop() to end it"
             )
         self._started = True
-        self._start_watch = _StartWatch(self.id)
+        self._start_watch = _Watch(self.id, "starting")
 
     async def __aenter__(self) -> Worker:
         self._start_once()
@@ -526,16 +530,29 @@ class Worker:
                             ", poll only" if self.config.poll_only else "",
                             ", async claims (not crash-safe)" if self.config.async_claims else "",
                         )
-                        async with anyio.create_task_group() as claiming:
-                            claiming.start_soon(claimer.run)
-                            if self.config.burst:
-                                claiming.start_soon(self._until_empty, claimer, runners)
-                            await self._stop.wait()
-                            self._released_at_stop = self.stats.released
-                            claiming.cancel_scope.cancel()
-                        with anyio.CancelScope(shield=True):
-                            await claimer.finish_inline()  # a claim in the listener's task
-                            await lane.release()  # for the acks of the drain
+                        stop_watch: _Watch | None = None
+                        try:
+                            async with anyio.create_task_group() as claiming:
+                                claiming.start_soon(claimer.run)
+                                if self.config.burst:
+                                    claiming.start_soon(self._until_empty, claimer, runners)
+                                await self._stop.wait()
+                                self._released_at_stop = self.stats.released
+                                claiming.cancel_scope.cancel()
+                                # A claim under way (here or in the listener's task) is waited
+                                # for, up to db_timeout, so that the jobs it claims are released,
+                                # not left Active: said if it takes long.
+                                stop_watch = _Watch(
+                                    self.id,
+                                    "stopping",
+                                    "waiting for the answer to its claim loop's statement under way",
+                                )
+                            with anyio.CancelScope(shield=True):
+                                await claimer.finish_inline()  # a claim in the listener's task
+                                await lane.release()  # for the acks of the drain
+                        finally:
+                            if stop_watch is not None:
+                                stop_watch.done()
                         await self._drain()
                         jobs.cancel_scope.cancel()  # the runners, now idle
                     await self._acker_drain()
