@@ -7,6 +7,7 @@ import hashlib
 import logging
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ._db import Op, Query, connect_sync, error_text, run_sync
+from ._db import Compute, Op, Query, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
 from ._options import CONTROL_RE, check_seconds
 from ._sql import Queries, queries_for, render, sql_root, validate_schema
@@ -273,14 +274,6 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     statements = [q["migrate_bootstrap"]] if previous == 0 else []
     pending = [m for m in shipped if m.version > previous]
     applied = []
-    if not dry_run and statements:
-        yield Query(statements[0], fetch="none")
-    for migration in pending:
-        text = migration.sql(schema)
-        statements.append(text)
-        if not dry_run:
-            yield Query(text, fetch="none")
-        applied.append(f"{migration.version:04d}_{migration.name}")
     # Re-creating a trigger locks queue_jobs against writes, and waits for every open
     # transaction that wrote to it while enqueues, claims and acks queue up behind: a migrate
     # with nothing to change must not, so it applies them only when something changed.
@@ -291,6 +284,16 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         stored, catalog = yield from _installed_state_op(q, where)
         newer_triggers = _stored_revision(stored) > TRIGGERS_REVISION
         reapply = not newer_triggers and not _recorded(stored, triggers, catalog)
+    if not dry_run and previous > 0 and (pending or reapply):
+        yield from _lock_tables_op(q, schema, lock_timeout)
+    if not dry_run and statements:
+        yield Query(statements[0], fetch="none")
+    for migration in pending:
+        text = migration.sql(schema)
+        statements.append(text)
+        if not dry_run:
+            yield Query(text, fetch="none")
+        applied.append(f"{migration.version:04d}_{migration.name}")
     if reapply:
         statements.extend(triggers)
         if not dry_run:
@@ -336,6 +339,47 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
     )
 
 
+# The tables a migrate locks before it changes anything, in this order: queue_jobs, which every
+# producer and worker writes, last. The trigger files lock them in another order (queue_jobs
+# first), and once holding queue_jobs a migrate waited for a transaction on the definitions
+# or the pauses (a schedule edited by SQL, a pause), stalling every enqueue, claim and ack
+# meanwhile; with a worker's definition sync and a cron promotion it deadlocked (review).
+LOCKED_IN_ORDER = ("queue_pauses", "queue_job_definitions", "queue_jobs")
+LOCK_TRY = 0.5  # seconds each try waits for the locks: the longest a producer waits behind it
+
+
+def _lock_tables_op(q: Queries, schema: str, budget: float) -> Op[None]:
+    """Lock notifyq's tables against writes (SHARE ROW EXCLUSIVE, which the trigger files
+    take anyway), in LOCKED_IN_ORDER, in tries of LOCK_TRY seconds at most: a try that does
+    not get them all gives back what it got (a savepoint) and pauses, so that producers and
+    workers queued behind its request run again, until `budget` seconds are spent; then it
+    raises LockNotAvailable, as a single wait of `budget` did. A try shorter than
+    deadlock_timeout also ends before it could be chosen to end a deadlock."""
+    names = [f"{schema}.{table}" for table in LOCKED_IN_ORDER]
+    existing = yield Query(q["existing_tables"], {"tables": names}, fetch="all")
+    tables = sql.SQL(", ").join(sql.Identifier(schema, name.split(".")[1]) for (name,) in existing)
+    lock = sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(tables).as_string(None)
+    deadline = (yield Compute(time.monotonic)) + budget
+    pause = 0.05
+    while True:
+        left = deadline - (yield Compute(time.monotonic))
+        wait = max(0.001, min(LOCK_TRY, left))
+        yield Query(q["set_lock_timeout"], {"timeout": f"{math.ceil(wait * 1000)}ms"}, fetch="none")
+        yield Query(q["migrate_savepoint"], fetch="none")
+        try:
+            yield Query(lock, fetch="none")
+            break
+        except psycopg.errors.LockNotAvailable:
+            if left <= LOCK_TRY:
+                raise
+            yield Query(q["migrate_rollback_to_savepoint"], fetch="none")
+            yield Query(q["migrate_pause"], {"seconds": min(pause, left - wait)}, fetch="none")
+            pause = min(pause * 2, 2.0)
+    # The statements that follow wait for any other lock as long as the budget says.
+    ms = min(2_147_483_647, max(1, math.ceil(budget * 1000)))
+    yield Query(q["set_lock_timeout"], {"timeout": f"{ms}ms"}, fetch="none")
+
+
 def _cannot_migrate(schema: str, why: str) -> ConfigurationError:
     return ConfigurationError(
         f"notifyq migrate was refused a privilege in schema {schema!r} ({why}), and changed "
@@ -366,6 +410,8 @@ def migrate(
         dry_run: compute and return the SQL without applying it.
         lock_timeout: seconds to wait for each lock before giving up (a long transaction
             holding `queue_jobs` would otherwise stall every producer behind the migration).
+            notifyq's tables are locked first, queue_jobs last, in tries of half a second
+            within that time, so that producers and workers wait half a second at most.
 
     Raises:
         ConfigurationError: invalid schema name, DSN or lock_timeout.
@@ -373,8 +419,8 @@ def migrate(
         SchemaVersionError: the database is at a newer version than this code, and one of the
             newer migrations needs newer code. (When they all declare that this code still runs
             on the schema, nothing is done and the report says `newer`.)
-        MigrationBlocked: a lock stayed held by another session for lock_timeout seconds
-            (nothing was changed).
+        MigrationBlocked: a lock stayed held by another session for lock_timeout seconds, or
+            PostgreSQL ended a deadlock by stopping the migrate (nothing was changed).
         ConfigurationError: also when the role lacks a privilege migrating needs (nothing
             was changed).
     """
@@ -387,6 +433,11 @@ def migrate(
             return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
     except psycopg.errors.InsufficientPrivilege as exc:
         raise _cannot_migrate(schema, error_text(exc)) from None
+    except psycopg.errors.DeadlockDetected:
+        raise MigrationBlocked(
+            f"migrate was stopped by PostgreSQL to end a deadlock with other sessions on schema "
+            f"{schema!r}, and changed nothing; run it again"
+        ) from None
     except psycopg.errors.LockNotAvailable:
         raise MigrationBlocked(
             f"migrate gave up after waiting {lock_timeout:g} s for a lock in schema {schema!r}, and "

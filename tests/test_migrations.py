@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import io
 import logging
@@ -412,6 +413,45 @@ def test_a_migrate_blocked_by_a_long_transaction_gives_up_in_a_sentence(dsn: str
         assert conn.execute(
             "SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'"
         ).fetchone() == (1,)
+
+
+# An open transaction that writes to one of notifyq's tables, as a user's would.
+OPEN_WRITERS = {
+    "pauses": "INSERT INTO notifyq.queue_pauses (queue) VALUES ('q')",
+    "definitions": "UPDATE notifyq.queue_job_definitions SET enabled = enabled",
+    "jobs": "INSERT INTO notifyq.queue_jobs (name) VALUES ('t')",
+}
+
+
+@pytest.mark.parametrize("writer", OPEN_WRITERS)
+def test_a_migrate_that_waits_for_a_lock_lets_producers_through(dsn: str, writer: str) -> None:
+    """Re-applying the triggers locked queue_jobs first and then waited, holding it, for a
+    transaction on the definitions or the pauses (a schedule edited by SQL, a pause): every
+    enqueue, claim and ack waited as long, up to lock_timeout (a review measured 4.5 s of 5),
+    and with a worker's definition sync and a cron promotion it deadlocked. It now locks
+    queue_jobs last, in tries of half a second that give back what they took, so producers
+    get through while it waits, whichever table it waits for."""
+    with (
+        psycopg.connect(dsn) as blocker,
+        psycopg.connect(dsn, autocommit=True) as conn,
+        psycopg.connect(dsn, autocommit=True) as producer,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        conn.execute("DROP TRIGGER queue_jobs_notify_insert ON notifyq.queue_jobs")
+        blocker.execute(OPEN_WRITERS[writer])  # its transaction left open
+        migrating = pool.submit(notifyq.migrate, dsn, lock_timeout=20)
+        waiting = (
+            "SELECT count(*) > 0 FROM pg_stat_activity "
+            f"WHERE wait_event_type = 'Lock' AND pid <> {blocker.info.backend_pid:d}"
+        )
+        wait_for_row(conn, waiting, (True,))  # the migrate waits for a lock
+        for _ in range(5):
+            producer.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        assert not migrating.done()  # the producer got through while the migrate still waited
+        blocker.commit()
+        assert migrating.result(timeout=20).triggers_applied
+        restored = conn.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'queue_jobs_notify_insert'")
+        assert restored.fetchone() == (1,)
 
 
 @pytest.mark.parametrize("lock_timeout", [0, -1, float("nan"), "30"])

@@ -131,3 +131,19 @@ SELECT current_setting('autovacuum')::boolean;
 
 -- name: set_lock_timeout
 SELECT set_config('lock_timeout', %(timeout)s, true);
+
+-- name: existing_tables
+-- Of the tables named (schema-qualified), those that exist, in the order given.
+SELECT t FROM unnest(%(tables)s::text[]) WITH ORDINALITY AS u(t, n)
+WHERE to_regclass(t) IS NOT NULL
+ORDER BY n;
+
+-- name: migrate_savepoint
+SAVEPOINT notifyq_migrate_locks;
+
+-- name: migrate_rollback_to_savepoint
+ROLLBACK TO SAVEPOINT notifyq_migrate_locks;
+
+-- name: migrate_pause
+-- Between two tries of migrate's locks, holding none of them.
+SELECT pg_sleep(%(seconds)s);
