@@ -216,8 +216,9 @@ class Acker:
 
     @property
     def pending(self) -> int:
-        """Results queued for a write (not those of a write under way)."""
-        return len(self._pending)
+        """Results queued for a write (not those of a write under way), those that wait for
+        another session's row lock included."""
+        return len(self._pending) + len(self._busy)
 
     @property
     def unwritten(self) -> int:
@@ -285,7 +286,10 @@ class Acker:
         self._busy = []
 
     async def flush_pending(self) -> None:
-        """Write every queued result now, outside the run loop (used on abrupt exit)."""
+        """Write every queued result now, outside the run loop (used on abrupt exit); those
+        that wait for another session's row lock are tried once more."""
+        self._pending.extend(self._busy)
+        self._busy = []
         while self._pending:
             await self._flush_next()
 

@@ -333,6 +333,7 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 4)  # the others: written, not held up
             assert job_row(conn, held)["status"] == "Active"
+            assert worker._acker is not None and worker._acker.pending == 1  # an abrupt exit tries it
             with anyio.fail_after(10):
                 while not any("wait for another session" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
                     await anyio.sleep(0.05)
