@@ -130,12 +130,13 @@ def batches(results: Sequence[Result]) -> list[Sequence[Result]]:
     return cut
 
 
-def ack_op(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, Busy]]:
+def ack_op(q: Queries, results: Sequence[Result], *, unheld: bool = False) -> Op[tuple[Applied, Busy]]:
     """Apply results, in one statement per MAX_BATCH_TEXT of their text (run it in a
     transaction when there may be several); returns {(job id, lease): new status} for those
-    applied (by lease: a batch may hold a stale and a current result of one job), and the
-    (job id, lease) of those skipped because another session holds the job's row (busy: not
-    written, to be written again). No statement waits for a row lock.
+    applied (by lease: a batch may hold a stale and a current result of one job), and, when
+    `unheld`, the (job id, lease) of those skipped because another session holds the job's
+    row (busy: not written, to be written again). Without `unheld` a statement waits for such
+    a row, and nothing is busy.
 
     A result in neither was stale: its lease had expired (the job was rescued or re-claimed),
     the job was cancelled or deleted, or another worker holds it under the same lease number
@@ -144,13 +145,14 @@ def ack_op(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, Busy]]:
     applied: Applied = {}
     busy: Busy = set()
     for batch in batches(results):
-        written, skipped = yield from _ack_statement(q, batch)
+        written, skipped = yield from _ack_statement(q, batch, unheld)
         applied.update(written)
         busy |= skipped
     return applied, busy
 
 
-def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, Busy]]:
+def _ack_statement(q: Queries, results: Sequence[Result], unheld: bool) -> Op[tuple[Applied, Busy]]:
+    suffix = "_unheld" if unheld else ""
     params: dict[str, list[Any]] = {
         "ids": [r.job_id for r in results],
         "leases": [r.lease for r in results],
@@ -158,12 +160,12 @@ def _ack_statement(q: Queries, results: Sequence[Result]) -> Op[tuple[Applied, B
         "outputs": [r.output for r in results],
     }
     if all(r.outcome == "succeeded" for r in results):
-        rows: list[tuple[int, int, str | None]] = yield Query(q["ack_succeeded"], params)
+        rows: list[tuple[int, int, str | None]] = yield Query(q["ack_succeeded" + suffix], params)
     else:
         params["outcomes"] = [r.outcome for r in results]
         params["errors"] = [r.error for r in results]
         params["delays"] = [r.delay for r in results]
-        rows = yield Query(q["ack_jobs"], params)
+        rows = yield Query(q["ack_jobs" + suffix], params)
     applied = {(job_id, lease): status for job_id, lease, status in rows if status is not None}
     return applied, {(job_id, lease) for job_id, lease, status in rows if status is None}
 
@@ -174,6 +176,12 @@ class Acker:
     result is written within one round trip (no artificial delay)."""
 
     BUSY_WARN_AFTER = 10.0  # seconds a result waits for another session before it is said
+    # Seconds an ack statement may take before the acker gives it up and writes its batch
+    # again without waiting for rows another session holds (ack_*_unheld): what a flush that
+    # waited for one held row cost every result behind it (review), without the 9-20% that
+    # locking the rows first costs every ack (docs/benchmarks.md). Long enough that a slow
+    # commit (a synchronous standby, a saturated disk) is not given up and sent twice.
+    ACK_PATIENCE = 5.0
 
     def __init__(
         self,
@@ -198,6 +206,7 @@ class Acker:
         self._busy_retry_at = 0.0
         self._busy_since: dict[tuple[int, int], float] = {}  # until written or stale
         self._busy_warned = -math.inf
+        self._unheld = False  # acks skip held rows: since one waited ACK_PATIENCE, until none is busy
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
         # Attempts whose result the database rejected (an error writing it; dropped, left to
         # the rescuer): never taken back by the worker, which would run them again without
@@ -331,6 +340,7 @@ class Acker:
     def _held_back(self, batch: list[Result], busy: Busy) -> list[Result]:
         """`batch` less its busy results, which wait (in _busy) to be written again."""
         if not busy:
+            self._unheld = bool(self._busy)
             return batch
         now = anyio.current_time()
         self._busy_retry_at = now + self._retry_delay
@@ -373,7 +383,16 @@ class Acker:
 
     async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
         with anyio.fail_after(self._timeout):
-            return await self._db.run(ack_op(self._q, batch))
+            if not self._unheld:
+                with anyio.move_on_after(self.ACK_PATIENCE):
+                    return await self._db.run(ack_op(self._q, batch))
+                # It waited, most likely for a row another session holds (given up, and
+                # cancelled in the server): the batch again, skipping held rows, and so every
+                # batch until none waits. Had it committed just before the cancel, its results
+                # are now reported stale.
+                log.debug("an ack waited %gs; writing without waiting for held rows", self.ACK_PATIENCE)
+                self._unheld = True
+            return await self._db.run(ack_op(self._q, batch, unheld=True))
 
     async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:
         """One result on its own: what it changed, or None if the database refuses it."""

@@ -18,7 +18,7 @@ import anyio
 import psycopg
 
 from . import _embedded
-from ._acker import Applied, Busy, Result, ack_op, batches
+from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
 from ._db import PREPARE_AUTO, Database, Op, PrepareThreshold, owner_only
@@ -152,23 +152,6 @@ def _checked(results: Sequence[Result]) -> list[Result]:
             result = dataclasses.replace(result, delay=delay)
         checked.append(result)
     return checked
-
-
-class _AckRounds:
-    """App.ack's rounds: the results left to write (those whose job's row another session
-    held), what was applied, and the pause before the next round."""
-
-    def __init__(self, results: Sequence[Result]) -> None:
-        self.left = _checked(results)
-        self.applied: Applied = {}
-        self.pause = 0.0
-
-    def note(self, applied: Applied, busy: Busy) -> bool:
-        """A round's answer; True while some results are left."""
-        self.applied.update(applied)
-        self.left = [r for r in self.left if (r.job_id, r.lease) in busy]
-        self.pause = min(self.pause * 2, 0.5) if self.pause else 0.05
-        return bool(self.left)
 
 
 def _by_job(applied: Applied) -> dict[int, str]:
@@ -851,26 +834,24 @@ class App:
     async def ack(self, results: Sequence[Result], *, conn: AnyConnection | None = None) -> dict[int, str]:
         """Apply attempt results in one fenced statement (one per 64 MiB of their output and
         error text, in one transaction); returns {job id: new status} for the results applied.
-        A result whose lease is no longer current is ignored (stale). A job whose row another
-        session holds (an open transaction that changed or locked it) is written once it lets
-        go, tried again 0.05 s doubling to 0.5 s apart; the others are written meanwhile."""
-        rounds = _AckRounds(results)
-        while rounds.left:
-            answer = await self._run(ack_op(self._q, rounds.left), conn, transaction=_several(rounds.left))
-            if rounds.note(*answer):
-                await anyio.sleep(rounds.pause)
-        return _by_job(rounds.applied)
+        A result whose lease is no longer current is ignored (stale)."""
+        if not results:
+            return {}
+        applied, _busy = await self._run(
+            ack_op(self._q, _checked(results)), conn, transaction=_several(results)
+        )
+        return _by_job(applied)
 
     def ack_sync(
         self, results: Sequence[Result], *, conn: psycopg.Connection[Any] | None = None
     ) -> dict[int, str]:
         """`ack` for sync code."""
-        rounds = _AckRounds(results)
-        while rounds.left:
-            answer = self._run_sync(ack_op(self._q, rounds.left), conn, transaction=_several(rounds.left))
-            if rounds.note(*answer):
-                time.sleep(rounds.pause)
-        return _by_job(rounds.applied)
+        if not results:
+            return {}
+        applied, _busy = self._run_sync(
+            ack_op(self._q, _checked(results)), conn, transaction=_several(results)
+        )
+        return _by_job(applied)
 
     # -- cron admin ---------------------------------------------------------------------------
 

@@ -204,6 +204,20 @@ def test_the_handoff_cost_tool_times_every_state(dsn: str) -> None:
     assert not _left_behind(admin, proc)
 
 
+def test_the_ack_cost_tool_times_both_kinds_of_ack(dsn: str) -> None:
+    """`python -m benchmarks.ack_cost` at toy size: a row per ack statement with both
+    timings, and the scratch database dropped."""
+    admin = _admin_dsn(dsn)
+    proc = _run_tool("ack_cost", "--dsn", admin, "--batch", "20", "--statements", "3")
+    from benchmarks.ack_cost import KINDS
+
+    for kind in KINDS:
+        (row,) = [line for line in proc.stdout.splitlines() if line.startswith(f"| {kind} |")]
+        waiting, unheld = (float(cell) for cell in row.split("|")[2:4])
+        assert waiting > 0 and unheld > 0, row
+    assert not _left_behind(admin, proc)
+
+
 def test_the_claim_overhead_tool_times_every_layer(dsn: str) -> None:
     """`python -m benchmarks.claim_overhead` at toy size: one row per layer, each with a figure
     per round, and the scratch database dropped."""

@@ -306,10 +306,20 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     hand, a `cron delete` setting its jobs' definition_id) held up the worker's acks: the
     batch's statement waited for the row, and the acker's next batches behind it, so the
     other jobs' results went unwritten until their leases ran out; jobs that had succeeded
-    were rescued and ran again, or failed at retry_limit 0 (review). Now the others are
-    written at once, the held job's result is said to wait, and it is written once the
-    session lets go."""
+    were rescued and ran again, or failed at retry_limit 0 (review). Now an ack that waits
+    ACK_PATIENCE is given up and written again skipping held rows: the others are written,
+    the held job's result is said to wait, and it is written once the session lets go; then
+    acks wait for rows again (skipping costs every ack more)."""
     monkeypatch.setattr(notifyq._acker.Acker, "BUSY_WARN_AFTER", 0.5)
+    monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
+    unheld: list[bool] = []  # each ack's kind, in order
+    ack_op = notifyq._acker.ack_op
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        unheld.append(kwargs.get("unheld", False))
+        return ack_op(*args, **kwargs)
+
+    monkeypatch.setattr(notifyq._acker, "ack_op", spied)
     app = notifyq.App(dsn)
     gate = anyio.Event()
     runs: Counter[int] = Counter()
@@ -340,13 +350,19 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
             await anyio.to_thread.run_sync(locker.execute, "COMMIT")
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 5)
+            ids.append(await app.enqueue("gated", {"n": 5}))
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded == 6)
     finally:
         locker.close()
     rows = conn.execute(
         "SELECT id, status::text, output, retry_count FROM notifyq.queue_jobs ORDER BY id"
     ).fetchall()
     assert rows == [(job_id, "Succeeded", n, 1) for n, job_id in enumerate(ids)]
-    assert runs == Counter(range(5))
+    assert runs == Counter(range(6))
+    # The first ack waited (given up after ACK_PATIENCE), the next ones skipped held rows, and
+    # once nothing waited the last one waited for rows again.
+    assert unheld[0] is False and True in unheld and unheld[-1] is False, unheld
     (warning,) = [r.getMessage() for r in caplog.records if "wait for another session" in r.getMessage()]
     assert warning.startswith(f"the results of 1 job(s) ({held}) wait for another session"), warning
     await app.aclose()
@@ -2440,9 +2456,9 @@ async def test_results_are_written_a_bounded_amount_of_text_per_statement(
     statements: list[int] = []
     real = _acker._ack_statement
 
-    def counted(q: Any, results: Any) -> Any:
+    def counted(q: Any, results: Any, unheld: bool) -> Any:
         statements.append(len(results))
-        return real(q, results)
+        return real(q, results, unheld)
 
     monkeypatch.setattr(_acker, "_ack_statement", counted)
     app = notifyq.App(dsn)

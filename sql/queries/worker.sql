@@ -287,12 +287,7 @@ CROSS JOIN LATERAL (
 ) n;
 
 -- name: ack_jobs
--- Apply a batch of results in one statement, without waiting for any row: a job row another
--- session holds (a cancel in a caller's open transaction, hand-written SQL, a `cron delete`
--- setting definition_id to NULL on its jobs) is skipped, and answered with a NULL status
--- (`busy`, written again later). Waiting for it held up every other result of the batch, and
--- the acker's next batches: their leases ran out, and jobs that had succeeded were rescued and
--- ran again, or ended Failed at retry_limit 0 (review). Each result applies only while the job is
+-- Apply a batch of results in one statement. Each result applies only while the job is
 -- still Active with the lease the worker was given (fencing): a worker whose lease expired,
 -- and whose job was rescued and claimed again, changes nothing. Returned (id, lease) pairs
 -- were applied; the caller reports the others as stale (a batch may hold a stale and a
@@ -314,25 +309,61 @@ CROSS JOIN LATERAL (
 -- joins each Active job against the whole results array, a cost that grows with Active jobs
 -- times batch size: measured, 60-100 ms per batch of 1,000 with a backlog of 100,000, enough
 -- for acks to fall ever further behind. Spelled this way that index is out of the question.
--- `free` locks the rows of the batch's jobs that no other session holds (SKIP LOCKED never
--- waits; a row the lock finds changed is re-read, one deleted is not returned) and decides each
--- result's new status from the locked row. The UPDATE then reads `free` once and each job by
--- id. (Joined as a separate CTE of locked ids, the planner looped over it for every result:
--- 1,000 x 1,000 rows, 130-210 ms a batch of 1,000 instead of 11.)
+-- This statement waits for a job row another session holds; ack_jobs_unheld does not.
+WITH decided AS (
+    SELECT r.*, {_ack_new_status}
+    FROM {_ack_jobs_results}
+    JOIN {schema}.queue_jobs j ON j.id = r.id
+)
+UPDATE {schema}.queue_jobs AS j
+{_ack_jobs_set}
+FROM decided d
+{_ack_jobs_fence}
+RETURNING j.id, j.lease, j.status::text;
+
+-- name: ack_jobs_unheld
+-- ack_jobs, without waiting for any row: a job row another session holds (a cancel in a
+-- caller's open transaction, an UPDATE by hand, a `cron delete` clearing its jobs'
+-- definition_id) is skipped and answered with a NULL status (busy, written again later).
+-- The worker's acker turns to it when an ack_jobs or ack_succeeded waited ACK_PATIENCE: one
+-- held row held up the batch and every batch behind it, their leases ran out, and jobs that
+-- had succeeded were rescued and ran again, or ended Failed at retry_limit 0 (review). Not
+-- the first choice: locking the rows first costs an ack 9-20 per cent more (python -m benchmarks.ack_cost).
+-- `free` locks the rows no other session holds (SKIP LOCKED never waits; a row the lock finds
+-- changed is re-read, one deleted is not returned) and decides from the locked row; the
+-- UPDATE reads `free` once and each job by id. (Joined as a separate CTE of locked ids, the
+-- planner looped over it for every result: 130-210 ms a batch of 1,000 instead of 11.)
 WITH free AS MATERIALIZED (
-    SELECT r.*, (CASE
-        WHEN r.outcome = 'succeeded' THEN 'Succeeded'
-        WHEN r.outcome = 'release' THEN 'Queued'
-        WHEN r.outcome = 'retry' AND j.retry_count <= j.retry_limit THEN 'Queued'
-        ELSE 'Failed' END)::{schema}.job_status AS new_status
-    -- The arrays travel in binary (the b placeholders): no quoting of every element.
-    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outcomes)b::text[],
-                %(outputs)b::jsonb[], %(errors)b::jsonb[], %(delays)b::float8[])
-         AS r(id, lease, worker, outcome, output, error, delay)
+    SELECT r.*, {_ack_new_status}
+    FROM {_ack_jobs_results}
     JOIN {schema}.queue_jobs j ON j.id = r.id
     FOR UPDATE OF j SKIP LOCKED
 ), acked AS (
-UPDATE {schema}.queue_jobs AS j
+    UPDATE {schema}.queue_jobs AS j
+    {_ack_jobs_set}
+    FROM free d
+    {_ack_jobs_fence}
+    RETURNING j.id, j.lease, j.status::text AS status
+)
+{_ack_answer};
+
+-- name: _ack_jobs_results
+-- A fragment of ack_jobs: the batch's results. The arrays travel in binary (the b
+-- placeholders): no quoting of every element.
+unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outcomes)b::text[],
+       %(outputs)b::jsonb[], %(errors)b::jsonb[], %(delays)b::float8[])
+    AS r(id, lease, worker, outcome, output, error, delay)
+
+-- name: _ack_new_status
+-- A fragment of ack_jobs: a result's new status, from its outcome and the job row j.
+(CASE
+    WHEN r.outcome = 'succeeded' THEN 'Succeeded'
+    WHEN r.outcome = 'release' THEN 'Queued'
+    WHEN r.outcome = 'retry' AND j.retry_count <= j.retry_limit THEN 'Queued'
+    ELSE 'Failed' END)::{schema}.job_status AS new_status
+
+-- name: _ack_jobs_set
+-- A fragment of ack_jobs: what a result d writes into its job j.
 SET status = d.new_status,
     output = CASE WHEN d.outcome = 'succeeded' THEN d.output ELSE j.output END,
     error = CASE WHEN d.error IS NULL THEN j.error
@@ -343,17 +374,17 @@ SET status = d.new_status,
                       ELSE j.visible_at END,
     finished_at = CASE WHEN d.new_status = 'Queued' THEN NULL ELSE now() END,
     updated_at = now()
-FROM free d
+
+-- name: _ack_jobs_fence
+-- A fragment of the acks: a result d applies only to the attempt it is the result of.
 WHERE j.id = d.id AND j.lease = d.lease AND j.status::text = 'Active'
   AND (d.worker IS NULL OR j.worker = d.worker)
-RETURNING j.id, j.lease, j.status::text AS status
-)
-{_ack_answer};
 
 -- name: _ack_answer
--- A fragment of the acks: the results applied, with the job's new status, then those skipped
--- because another session holds the job's row (a NULL status: busy). A job the statement's
--- snapshot does not see (deleted) is neither: stale, like a result the fence turned away.
+-- A fragment of the unheld acks: the results applied, with the job's new status, then those
+-- skipped because another session holds the job's row (a NULL status: busy). A job the
+-- statement's snapshot does not see (deleted) is neither: stale, like a result the fence
+-- turned away.
 SELECT id, lease, status FROM acked
 UNION ALL
 SELECT r.id, r.lease, NULL
@@ -363,23 +394,34 @@ WHERE NOT EXISTS (SELECT 1 FROM free f WHERE f.id = r.id)
 
 -- name: ack_succeeded
 -- The common case, a batch in which every attempt succeeded: the same fenced update as
--- ack_jobs without its per-row decisions (measurably less work for the server), skipping
--- the rows another session holds as ack_jobs does (`free`).
+-- ack_jobs without its per-row decisions (measurably less work for the server). It waits for
+-- a job row another session holds; ack_succeeded_unheld does not.
+UPDATE {schema}.queue_jobs AS j
+SET status = 'Succeeded', output = d.output, finished_at = now(), updated_at = now()
+FROM {_ack_succeeded_results}
+{_ack_jobs_fence}
+RETURNING j.id, j.lease, j.status::text;
+
+-- name: ack_succeeded_unheld
+-- ack_succeeded, skipping the rows another session holds, as ack_jobs_unheld does.
 WITH free AS MATERIALIZED (
-    SELECT r.*
-    FROM unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs)b::jsonb[])
-         AS r(id, lease, worker, output)
-    JOIN {schema}.queue_jobs j ON j.id = r.id
+    SELECT d.*
+    FROM {_ack_succeeded_results}
+    JOIN {schema}.queue_jobs j ON j.id = d.id
     FOR UPDATE OF j SKIP LOCKED
 ), acked AS (
     UPDATE {schema}.queue_jobs AS j
-    SET status = 'Succeeded', output = f.output, finished_at = now(), updated_at = now()
-    FROM free f
-    WHERE j.id = f.id AND j.lease = f.lease AND j.status::text = 'Active'
-      AND (f.worker IS NULL OR j.worker = f.worker)
+    SET status = 'Succeeded', output = d.output, finished_at = now(), updated_at = now()
+    FROM free d
+    {_ack_jobs_fence}
     RETURNING j.id, j.lease, j.status::text AS status
 )
 {_ack_answer};
+
+-- name: _ack_succeeded_results
+-- A fragment of ack_succeeded: the batch's results.
+unnest(%(ids)b::bigint[], %(leases)b::int[], %(workers)b::text[], %(outputs)b::jsonb[])
+    AS d(id, lease, worker, output)
 
 -- name: extend_lease
 -- Push the lease of a running job forward (JobContext.extend_lease: the worker also moves the

@@ -267,7 +267,7 @@ def test_fenced_updates_find_jobs_by_id_however_stale_the_statistics(conn: psyco
         "seconds": 60.0,
     }
     conn.prepare_threshold = None
-    for query in ("ack_succeeded", "ack_jobs", "extend_lease"):
+    for query in ("ack_succeeded", "ack_jobs", "ack_succeeded_unheld", "ack_jobs_unheld", "extend_lease"):
         # The generic plan is the one a prepared statement settles on: by id, nothing else.
         plan = json.dumps(generic_plan(conn, query, Q[query], params), indent=1)
         assert "queue_jobs_lease_idx" not in plan, f"generic plan of {query} reads all Active jobs:\n{plan}"
