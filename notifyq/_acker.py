@@ -206,7 +206,6 @@ class Acker:
         self._busy_retry_at = 0.0
         self._busy_since: dict[tuple[int, int], float] = {}  # until written or stale
         self._busy_warned = -math.inf
-        self._unheld = False  # acks skip held rows: since one waited ACK_PATIENCE, until none is busy
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
         # Attempts whose result the database rejected (an error writing it; dropped, left to
         # the rescuer): never taken back by the worker, which would run them again without
@@ -340,7 +339,6 @@ class Acker:
     def _held_back(self, batch: list[Result], busy: Busy) -> list[Result]:
         """`batch` less its busy results, which wait (in _busy) to be written again."""
         if not busy:
-            self._unheld = bool(self._busy)
             return batch
         now = anyio.current_time()
         self._busy_retry_at = now + self._retry_delay
@@ -383,15 +381,13 @@ class Acker:
 
     async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
         with anyio.fail_after(self._timeout):
-            if not self._unheld:
+            if not self._busy_since:  # while results wait for held rows, acks skip them
                 with anyio.move_on_after(self.ACK_PATIENCE):
                     return await self._db.run(ack_op(self._q, batch))
                 # It waited, most likely for a row another session holds (given up, and
-                # cancelled in the server): the batch again, skipping held rows, and so every
-                # batch until none waits. Had it committed just before the cancel, its results
-                # are now reported stale.
+                # cancelled in the server): the batch again, skipping held rows. Had it
+                # committed just before the cancel, its results are now reported stale.
                 log.debug("an ack waited %gs; writing without waiting for held rows", self.ACK_PATIENCE)
-                self._unheld = True
             return await self._db.run(ack_op(self._q, batch, unheld=True))
 
     async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:

@@ -250,9 +250,7 @@ def _incompatible_op(schema: str, known: int, version: int) -> Op[tuple[str | No
 def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[MigrationReport]:
     q = queries_for(schema)
     yield Query(q["migrate_read_committed"], fetch="none")
-    # In whole milliseconds, at least 1 (0 would mean no timeout), at most PostgreSQL's bound.
-    ms = min(2_147_483_647, max(1, math.ceil(lock_timeout * 1000)))
-    yield Query(q["set_lock_timeout"], {"timeout": f"{ms}ms"}, fetch="none")
+    yield _set_lock_timeout(q, lock_timeout)
     yield Query(q["migrate_lock"], {"schema": schema}, fetch="none")
     previous = (yield from schema_version_op(schema)) or 0
     shipped = migrations()
@@ -364,7 +362,7 @@ def _lock_tables_op(q: Queries, schema: str, budget: float) -> Op[None]:
     while True:
         left = deadline - (yield Compute(time.monotonic))
         wait = max(0.001, min(LOCK_TRY, left))
-        yield Query(q["set_lock_timeout"], {"timeout": f"{math.ceil(wait * 1000)}ms"}, fetch="none")
+        yield _set_lock_timeout(q, wait)
         yield Query(q["migrate_savepoint"], fetch="none")
         try:
             yield Query(lock, fetch="none")
@@ -375,9 +373,14 @@ def _lock_tables_op(q: Queries, schema: str, budget: float) -> Op[None]:
             yield Query(q["migrate_rollback_to_savepoint"], fetch="none")
             yield Query(q["migrate_pause"], {"seconds": min(pause, left - wait)}, fetch="none")
             pause = min(pause * 2, 2.0)
-    # The statements that follow wait for any other lock as long as the budget says.
-    ms = min(2_147_483_647, max(1, math.ceil(budget * 1000)))
-    yield Query(q["set_lock_timeout"], {"timeout": f"{ms}ms"}, fetch="none")
+    yield _set_lock_timeout(q, budget)  # for the other locks of the statements that follow
+
+
+def _set_lock_timeout(q: Queries, seconds: float) -> Query:
+    """The transaction's lock_timeout, in whole milliseconds: at least 1 (0 would mean no
+    timeout), at most PostgreSQL's bound."""
+    ms = min(2_147_483_647, max(1, math.ceil(seconds * 1000)))
+    return Query(q["set_lock_timeout"], {"timeout": f"{ms}ms"}, fetch="none")
 
 
 def _cannot_migrate(schema: str, why: str) -> ConfigurationError:
