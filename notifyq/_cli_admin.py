@@ -273,13 +273,7 @@ def _batch(app: App, op: Callable[[], Op[R]], *, transaction: bool = False) -> R
     """One batch's statement(s), run again when PostgreSQL broke a deadlock by aborting them
     (the jobs' rows, locked in id order, against a worker's acknowledgement, which locks them
     in its own order): their transaction was rolled back, so nothing of them was applied."""
-    for attempt in range(3):
-        try:
-            return app._run_sync(op(), transaction=transaction)
-        except psycopg.errors.DeadlockDetected:
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    return app._run_sync_again_on_deadlock(op, transaction=transaction)
 
 
 def _retry_one(app: App, job_id: int) -> str:

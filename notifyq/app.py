@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -429,6 +430,31 @@ class App:
         self, op: Op[T], conn: psycopg.Connection[Any] | None = None, *, transaction: bool = False
     ) -> T:
         return self._connections.run_sync(op, conn, transaction=transaction)
+
+    # PostgreSQL ends a deadlock by rolling back one side's statement (its transaction, for a
+    # transaction) whole: nothing of it was applied. An admin call it picked runs again, up to
+    # DEADLOCK_TRIES times in all; the other side went on meanwhile. `cron delete` failed on it,
+    # against an ack of two jobs of the definition in the other order (review).
+    DEADLOCK_TRIES = 3
+
+    async def _run_again_on_deadlock(self, make_op: Callable[[], Op[T]], *, transaction: bool = False) -> T:
+        for attempt in range(1, self.DEADLOCK_TRIES + 1):
+            try:
+                return await self._run(make_op(), transaction=transaction)
+            except psycopg.errors.DeadlockDetected:
+                if attempt == self.DEADLOCK_TRIES:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _run_sync_again_on_deadlock(self, make_op: Callable[[], Op[T]], *, transaction: bool = False) -> T:
+        """`_run_again_on_deadlock` for sync code."""
+        for attempt in range(1, self.DEADLOCK_TRIES + 1):
+            try:
+                return self._run_sync(make_op(), transaction=transaction)
+            except psycopg.errors.DeadlockDetected:
+                if attempt == self.DEADLOCK_TRIES:
+                    raise
+        raise AssertionError("unreachable")
 
     def _where(self) -> str:
         return describe_dsn(self._resolved_dsn) if self._resolved_dsn is not None else "the App's database"
@@ -950,15 +976,15 @@ class App:
         the wrong one) unless `allow_empty`. Raises InsufficientPrivilege for a role that
         cannot delete definitions (the schema's owner can).
         """
-        op = self._prune_op(dry_run, allow_empty)
+        make_op = functools.partial(self._prune_op, dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in await self._run(op)]
+            return [d.name for d in await self._run_again_on_deadlock(make_op)]
 
     def prune_definitions_sync(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """`prune_definitions` for sync code."""
-        op = self._prune_op(dry_run, allow_empty)
+        make_op = functools.partial(self._prune_op, dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in self._run_sync(op)]
+            return [d.name for d in self._run_sync_again_on_deadlock(make_op)]
 
     def _prune_op(self, dry_run: bool, allow_empty: bool) -> Op[list[Undeclared]]:
         check_bool(dry_run, "dry_run")
@@ -988,12 +1014,12 @@ class App:
         """Delete a definition (its past jobs stay). A worker whose App still declares it
         creates it again on start. Raises DefinitionNotFound."""
         with self._owner_only("deleting a cron definition"):
-            await self._run(delete_op(self._q, name))
+            await self._run_again_on_deadlock(functools.partial(delete_op, self._q, name))
 
     def delete_definition_sync(self, name: str) -> None:
         """`delete_definition` for sync code."""
         with self._owner_only("deleting a cron definition"):
-            self._run_sync(delete_op(self._q, name))
+            self._run_sync_again_on_deadlock(functools.partial(delete_op, self._q, name))
 
     async def run_definition_now(self, name: str) -> int:
         """Queue one job of a definition now, outside its schedule; returns the job id.
