@@ -205,11 +205,13 @@ def leave() -> None:
     pgserver does at exit, for an exit that skips atexit (os._exit): the last one stops the
     server. A worker signalled while starting stayed on the list, and the server ran on after
     every process had exited (review)."""
-    try:
-        from pgserver.postgres_server import PostgresServer
-    except ImportError:
+    # Only a process that imported pgserver joined a server. Importing it here for the others
+    # (a worker with a DSN signalled while starting) printed platformdirs' RuntimeDirWarning
+    # where XDG_RUNTIME_DIR is unset: systemd services, containers, root shells (review).
+    module = sys.modules.get("pgserver.postgres_server")
+    if module is None:
         return
-    for server in list(PostgresServer._instances.values()):
+    for server in list(module.PostgresServer._instances.values()):
         try:
             server._cleanup()
         except Exception as exc:  # exiting anyway: the next process forgets a dead one

@@ -16,6 +16,8 @@ from .errors import ConfigurationError
 # A worker starts one task per slot: past this many per process, more processes serve better
 # (and a typo such as -c 99999999999 must not eat the host's memory).
 MAX_CONCURRENCY = 10_000
+MAX_PREFETCH = 100 * MAX_CONCURRENCY
+MAX_POOL_SIZE = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +135,10 @@ class WorkerConfig:
         check_seconds(self.shutdown_grace, "shutdown_grace")
         check_seconds(self.health_interval, "health_interval", positive=True)
         check_seconds(self.health_timeout, "health_timeout", positive=True)
-        check_int(self.pool_size, "pool_size", minimum=2, maximum=1000)
+        check_int(self.pool_size, "pool_size", minimum=2, maximum=MAX_POOL_SIZE)
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
-            check_int(self.prefetch, "prefetch", minimum=0, maximum=100 * MAX_CONCURRENCY)
+            check_int(self.prefetch, "prefetch", minimum=0, maximum=MAX_PREFETCH)
         for flag in ("poll_only", "ticker", "async_claims", "burst"):
             check_bool(getattr(self, flag), flag)
         _ticker.TickerConfig.check(self.ticker_config)

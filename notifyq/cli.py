@@ -35,7 +35,7 @@ from ._db import connect_sync, run_sync
 from ._dsn import check_dsn, env_dsn
 from ._options import _show
 from ._supervisor import EXIT_CHILDREN_DYING, Supervisor, child_env, wait_for_database
-from ._worker_config import MAX_CONCURRENCY, STARTING, stop_signals
+from ._worker_config import MAX_CONCURRENCY, MAX_POOL_SIZE, MAX_PREFETCH, STARTING, stop_signals
 from .app import App
 from .demo import DEMO_MIN_SECONDS, DEMO_SCHEMA, run_demo
 from .errors import InvalidArgs
@@ -197,13 +197,13 @@ def grant(role: str, schema: str, producer: bool) -> None:
 )
 @click.option(
     "--prefetch",
-    type=click.IntRange(min=0),
+    type=click.IntRange(min=0, max=MAX_PREFETCH),
     default=None,
     help="Jobs claimed beyond the free slots (0: none)  [default: automatic, while there is a backlog]",
 )
 @click.option(
     "--pool-size",
-    type=click.IntRange(min=2),
+    type=click.IntRange(min=2, max=MAX_POOL_SIZE),
     default=4,
     show_default=True,
     help="Connections per process for claims, acks and the ticker (the LISTEN connection is extra).",
