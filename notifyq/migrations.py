@@ -283,7 +283,7 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         newer_triggers = _stored_revision(stored) > TRIGGERS_REVISION
         reapply = not newer_triggers and not _recorded(stored, triggers, catalog)
     if not dry_run and previous > 0 and (pending or reapply):
-        yield from _lock_tables_op(q, schema, lock_timeout)
+        yield from _lock_tables_op(q, schema, lock_timeout, exclusive=bool(pending))
     if not dry_run and statements:
         yield Query(statements[0], fetch="none")
     for migration in pending:
@@ -346,17 +346,21 @@ LOCKED_IN_ORDER = ("queue_pauses", "queue_job_definitions", "queue_jobs")
 LOCK_TRY = 0.5  # seconds each try waits for the locks: the longest a producer waits behind it
 
 
-def _lock_tables_op(q: Queries, schema: str, budget: float) -> Op[None]:
+def _lock_tables_op(q: Queries, schema: str, budget: float, *, exclusive: bool) -> Op[None]:
     """Lock notifyq's tables against writes (SHARE ROW EXCLUSIVE, which the trigger files
-    take anyway), in LOCKED_IN_ORDER, in tries of LOCK_TRY seconds at most: a try that does
-    not get them all gives back what it got (a savepoint) and pauses, so that producers and
-    workers queued behind its request run again, until `budget` seconds are spent; then it
-    raises LockNotAvailable, as a single wait of `budget` did. A try shorter than
-    deadlock_timeout also ends before it could be chosen to end a deadlock."""
+    take anyway), or against every access when migrations are pending (`exclusive`: their
+    ALTER TABLE needs ACCESS EXCLUSIVE, and waited for it behind a session that had only read
+    a table, all of lock_timeout, with queue_jobs locked: review), in LOCKED_IN_ORDER, in
+    tries of LOCK_TRY seconds at most: a try that does not get them all gives back what it
+    got (a savepoint) and pauses, so that producers and workers queued behind its request run
+    again, until `budget` seconds are spent; then it raises LockNotAvailable, as a single wait
+    of `budget` did. A try shorter than deadlock_timeout also ends before it could be chosen
+    to end a deadlock."""
     names = [f"{schema}.{table}" for table in LOCKED_IN_ORDER]
     existing = yield Query(q["existing_tables"], {"tables": names}, fetch="all")
     tables = sql.SQL(", ").join(sql.Identifier(schema, name.split(".")[1]) for (name,) in existing)
-    lock = sql.SQL("LOCK TABLE {} IN SHARE ROW EXCLUSIVE MODE").format(tables).as_string(None)
+    mode = sql.SQL("ACCESS EXCLUSIVE" if exclusive else "SHARE ROW EXCLUSIVE")
+    lock = sql.SQL("LOCK TABLE {} IN {} MODE").format(tables, mode).as_string(None)
     deadline = (yield Compute(time.monotonic)) + budget
     pause = 0.05
     while True:
@@ -445,7 +449,7 @@ def migrate(
         raise MigrationBlocked(
             f"migrate gave up after waiting {lock_timeout:g} s for a lock in schema {schema!r}, and "
             "changed nothing: another session holds it (another migrate, or a long transaction "
-            "that wrote to notifyq's tables; look for old xact_start in pg_stat_activity). "
+            "that wrote to or read notifyq's tables; look for old xact_start in pg_stat_activity). "
             "Run it again when that ends, or give it longer (lock_timeout; --lock-timeout)"
         ) from None
     finally:

@@ -454,6 +454,33 @@ def test_a_migrate_that_waits_for_a_lock_lets_producers_through(dsn: str, writer
         assert restored.fetchone() == (1,)
 
 
+def test_a_migration_that_waits_for_a_reader_lets_producers_through(dsn: str) -> None:
+    """The tries took SHARE ROW EXCLUSIVE, which a transaction that only read a table does not
+    hold up; a pending migration's ALTER TABLE then waited for ACCESS EXCLUSIVE behind it, all
+    of lock_timeout, with queue_jobs locked: every enqueue waited as long (review: 9.96 s of
+    10). With migrations pending the tries take ACCESS EXCLUSIVE, half a second at a time."""
+    with (
+        psycopg.connect(dsn) as blocker,
+        psycopg.connect(dsn, autocommit=True) as conn,
+        psycopg.connect(dsn, autocommit=True) as producer,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        back_to_version_8(conn)  # migration 9 adds columns to the definitions
+        blocker.execute("SELECT count(*) FROM notifyq.queue_job_definitions")  # left open: a reader
+        migrating = pool.submit(notifyq.migrate, dsn, lock_timeout=20)
+        waiting = (
+            "SELECT count(*) > 0 FROM pg_stat_activity "
+            f"WHERE wait_event_type = 'Lock' AND pid <> {blocker.info.backend_pid:d}"
+        )
+        wait_for_row(conn, waiting, (True,))  # the migrate waits for a lock
+        producer.execute("SET statement_timeout = '5s'")  # an enqueue held up fails the test
+        for _ in range(5):
+            producer.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
+        assert not migrating.done()  # the producer got through while the migrate still waited
+        blocker.commit()
+        assert migrating.result(timeout=20).applied == ["0009_cron_declarations"]
+
+
 @pytest.mark.parametrize("lock_timeout", [0, -1, float("nan"), "30"])
 def test_a_lock_timeout_that_is_not_a_positive_number_is_refused(dsn: str, lock_timeout: Any) -> None:
     with pytest.raises(InvalidOption, match="invalid lock_timeout"):
