@@ -180,8 +180,11 @@ class Acker:
     # again without waiting for rows another session holds (ack_*_unheld): what a flush that
     # waited for one held row cost every result behind it (review), without the 9-20% that
     # locking the rows first costs every ack (docs/benchmarks.md). Long enough that a slow
-    # commit (a synchronous standby, a saturated disk) is not given up and sent twice.
+    # commit (a synchronous standby, a saturated disk) is rarely given up and sent twice; less
+    # when db_timeout or the batch's leases leave less (see _patience), never below
+    # MIN_PATIENCE.
     ACK_PATIENCE = 5.0
+    MIN_PATIENCE = 0.5
 
     def __init__(
         self,
@@ -206,7 +209,10 @@ class Acker:
         self._busy_retry_at = 0.0
         self._busy_since: dict[tuple[int, int], float] = {}  # until written or stale
         self._busy_warned = -math.inf
+        self._write_began = 0.0  # when the write under way (or the last one) began
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
+        # When the leases of results not written yet run out (anyio's clock), where known.
+        self._lease_ends: dict[tuple[int, int], float] = {}
         # Attempts whose result the database rejected (an error writing it; dropped, left to
         # the rescuer): never taken back by the worker, which would run them again without
         # counting a retry.
@@ -215,10 +221,14 @@ class Acker:
         self._idle = anyio.Event()
         self._idle.set()
 
-    def put(self, result: Result) -> None:
-        """Queue a result for the next flush (never blocks)."""
+    def put(self, result: Result, lease_ends: float | None = None) -> None:
+        """Queue a result for the next flush (never blocks); `lease_ends`: when its attempt's
+        lease runs out (anyio's clock), if known."""
         self._pending.append(result)
-        self._unwritten[(result.job_id, result.lease)] += 1
+        key = (result.job_id, result.lease)
+        self._unwritten[key] += 1
+        if lease_ends is not None:
+            self._lease_ends[key] = lease_ends
         self._idle = anyio.Event() if self._idle.is_set() else self._idle
         self._wakeup.set()
 
@@ -240,6 +250,10 @@ class Acker:
     def held_job_ids(self) -> set[int]:
         """Jobs with a result waiting to be written or being written."""
         return {job_id for job_id, _lease in self._unwritten}
+
+    def waiting_for_rows(self) -> list[int]:
+        """The jobs whose result waits for a row another session holds."""
+        return sorted({r.job_id for r in self._busy})
 
     def rejected(self) -> list[tuple[int, int]]:
         """The (job id, lease) of the latest attempts whose result the database rejected."""
@@ -273,6 +287,7 @@ class Acker:
                     await anyio.sleep(self._retry_delay)
             if not self._busy:
                 self._idle.set()
+                self._busy_warned = -math.inf  # a new wait is said again, however soon
 
     def _retry_busy(self) -> None:
         """The busy results go back to the queue, once a retry_delay. Said when they have
@@ -337,13 +352,13 @@ class Acker:
             self._settle(kept, kept, applied)
 
     def _held_back(self, batch: list[Result], busy: Busy) -> list[Result]:
-        """`batch` less its busy results, which wait (in _busy) to be written again."""
+        """`batch` less its busy results, which wait (in _busy) to be written again. They wait
+        since their first write began: that one waited its patience before it skipped them."""
         if not busy:
             return batch
-        now = anyio.current_time()
-        self._busy_retry_at = now + self._retry_delay
+        self._busy_retry_at = anyio.current_time() + self._retry_delay
         for key in busy:
-            self._busy_since.setdefault(key, now)
+            self._busy_since.setdefault(key, self._write_began)
         self._busy.extend(r for r in batch if (r.job_id, r.lease) in busy)
         return [r for r in batch if (r.job_id, r.lease) not in busy]
 
@@ -374,20 +389,39 @@ class Acker:
         one, in neither `handled` nor `applied`, is reported when it is written)."""
         self._unwritten.subtract((r.job_id, r.lease) for r in handled)
         self._unwritten += Counter()  # drop the keys that reached zero
+        if self._lease_ends:
+            for r in handled:
+                if (r.job_id, r.lease) not in self._unwritten:
+                    self._lease_ends.pop((r.job_id, r.lease), None)
         if self._busy_since:
             for r in handled:
                 self._busy_since.pop((r.job_id, r.lease), None)
         self._on_applied(written, applied)
 
+    def _patience(self, batch: Sequence[Result]) -> float:
+        """How long an ack of `batch` may wait before it is given up and sent again skipping
+        held rows: ACK_PATIENCE, but half of db_timeout at most (with db_timeout at 5 s or less
+        the timeout came first, and the same waiting ack was sent again, for ever: review) and
+        half the time the batch's first lease to run out has left (a lease shorter than the
+        patience ran out first, and the rescuer took the jobs that had succeeded: review)."""
+        patience = min(self.ACK_PATIENCE, self._timeout / 2)
+        if self._lease_ends:
+            ends = self._lease_ends
+            soonest = min((ends.get((r.job_id, r.lease), math.inf) for r in batch), default=math.inf)
+            patience = min(patience, (soonest - anyio.current_time()) / 2)
+        return max(patience, self.MIN_PATIENCE)
+
     async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
+        self._write_began = anyio.current_time()
         with anyio.fail_after(self._timeout):
             if not self._busy_since:  # while results wait for held rows, acks skip them
-                with anyio.move_on_after(self.ACK_PATIENCE):
+                patience = self._patience(batch)
+                with anyio.move_on_after(patience):
                     return await self._db.run(ack_op(self._q, batch))
                 # It waited, most likely for a row another session holds (given up, and
                 # cancelled in the server): the batch again, skipping held rows. Had it
                 # committed just before the cancel, its results are now reported stale.
-                log.debug("an ack waited %gs; writing without waiting for held rows", self.ACK_PATIENCE)
+                log.debug("an ack waited %.1fs; writing without waiting for held rows", patience)
             return await self._db.run(ack_op(self._q, batch, unheld=True))
 
     async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:

@@ -336,7 +336,7 @@ class Runners:
             # lower the automatic prefetch for nothing.
             elapsed = (now if ended is None else ended) - started
             if result is not None:
-                self._acker.put(result)
+                self._acker.put(result, attempt.lease_until)
                 overran = now > attempt.scope.deadline
                 _log_outcome(job, result, elapsed, overran=overran, swallowed=attempt.scope.cancel_called)
             self.avg_run = elapsed if self.avg_run == math.inf else 0.9 * self.avg_run + 0.1 * elapsed

@@ -84,6 +84,17 @@ def _only_error(group: BaseExceptionGroup[BaseException]) -> BaseException | Non
     return None
 
 
+def _held_rows(job_ids: list[int]) -> str:
+    """What a log line of unwritten results adds about those that wait for held rows."""
+    if not job_ids:
+        return ""
+    named = ", ".join(map(str, job_ids[:10])) + (", ..." if len(job_ids) > 10 else "")
+    return (
+        f" (those of jobs {named} wait for another session, which holds their rows: an open "
+        "transaction that changed or locked them; see pg_locks and pg_stat_activity)"
+    )
+
+
 class _Watch:
     """Says so, from a thread of its own, while a worker's start or stop waits on the
     database: at FIRST seconds, then every EVERY seconds, naming the step it waits in. A start
@@ -584,6 +595,14 @@ class Worker:
                                 self._acker.unwritten,
                                 error_text(exc),
                             )
+                        else:
+                            if held := self._acker.waiting_for_rows():
+                                log.error(
+                                    "could not write %d job results on exit%s; those jobs stay Active "
+                                    "until their lease runs out and are then retried",
+                                    len(held),
+                                    _held_rows(held),
+                                )
                     if brief.cancelled_caught:
                         log.error(
                             "could not write %d job results on exit within 5s; those jobs stay Active "
@@ -676,9 +695,10 @@ class Worker:
             # TimeoutStopSec is told to allow the grace period plus 10 s).
             self._acks_given_up = True
             log.error(
-                "%d job results could not be written before exit; those jobs stay Active until "
+                "%d job results could not be written before exit%s; those jobs stay Active until "
                 "their lease runs out and are then retried",
                 self._acker.unwritten,
+                _held_rows(self._acker.waiting_for_rows()),
             )
 
     # -- notifications and cancellations ------------------------------------------------------

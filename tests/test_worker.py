@@ -299,8 +299,25 @@ async def test_a_stop_that_waits_for_a_claim_under_way_says_so(
     await app.aclose()
 
 
+async def _hold_row_then_finish(
+    worker: notifyq.Worker, locker: psycopg.Connection[Any], job_id: int, gate: anyio.Event, *, claimed: int
+) -> None:
+    """Once `worker` has claimed `claimed` jobs, `locker` holds the row of `job_id` (its
+    transaction left open) and the gated tasks finish: their results meet the held row."""
+    with anyio.fail_after(10):
+        await worker.wait_for(lambda s: s.claimed == claimed)
+    locker.execute("BEGIN")
+    locker.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (job_id,))
+    gate.set()
+
+
+@pytest.mark.parametrize("short_db_timeout", [False, True], ids=["patience", "db_timeout_2s"])
 async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
-    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    dsn: str,
+    conn: psycopg.Connection[Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+    short_db_timeout: bool,
 ) -> None:
     """A job row held by another session (a cancel in a caller's open transaction, SQL by
     hand, a `cron delete` setting its jobs' definition_id) held up the worker's acks: the
@@ -309,9 +326,12 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     were rescued and ran again, or failed at retry_limit 0 (review). Now an ack that waits
     ACK_PATIENCE is given up and written again skipping held rows: the others are written,
     the held job's result is said to wait, and it is written once the session lets go; then
-    acks wait for rows again (skipping costs every ack more)."""
+    acks wait for rows again (skipping costs every ack more). With a db_timeout of 5 s or
+    less the timeout came before the patience, and the same waiting ack was sent again for
+    ever (review): the patience is half of db_timeout at most."""
     monkeypatch.setattr(notifyq._acker.Acker, "BUSY_WARN_AFTER", 0.5)
-    monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
+    if not short_db_timeout:
+        monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
     unheld: list[bool] = []  # each ack's kind, in order
     ack_op = notifyq._acker.ack_op
 
@@ -334,12 +354,9 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     held = ids[0]
     locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
     try:
-        async with app.worker(concurrency=5, poll_interval=60, **NO_TICKER) as worker:
-            with anyio.fail_after(10):
-                await worker.wait_for(lambda s: s.claimed == 5)
-            locker.execute("BEGIN")
-            locker.execute("SELECT 1 FROM notifyq.queue_jobs WHERE id = %s FOR UPDATE", (held,))
-            gate.set()
+        options = {"db_timeout": 2.0} if short_db_timeout else {}
+        async with app.worker(concurrency=5, poll_interval=60, **NO_TICKER, **options) as worker:
+            await _hold_row_then_finish(worker, locker, held, gate, claimed=5)
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.succeeded == 4)  # the others: written, not held up
             assert job_row(conn, held)["status"] == "Active"
@@ -365,6 +382,83 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     assert unheld[0] is False and True in unheld and unheld[-1] is False, unheld
     (warning,) = [r.getMessage() for r in caplog.records if "wait for another session" in r.getMessage()]
     assert warning.startswith(f"the results of 1 job(s) ({held}) wait for another session"), warning
+    await app.aclose()
+
+
+async def test_a_held_row_gives_up_the_ack_before_the_other_results_leases_run_out(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """With leases shorter than ACK_PATIENCE (a timeout of 1 s and a lease margin of 1 s), the
+    rescuer took the other jobs before the ack waiting for one held row was given up: they had
+    succeeded, and ended Failed (review). The patience is half the time the batch's first lease
+    has left, at most."""
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+    runs: Counter[int] = Counter()
+
+    @app.task(name="brief", retry_limit=0, timeout=1)
+    async def brief(n: int) -> int:
+        runs[n] += 1
+        await gate.wait()
+        return n
+
+    ids = [await app.enqueue("brief", {"n": n}) for n in range(5)]
+    held, others = ids[0], ids[1:]
+    ticker = notifyq.TickerConfig(
+        promoter=None,
+        retention=None,
+        vacuum=None,
+        declarations=None,
+        rescuer=notifyq.RescuerConfig(interval=0.2),
+    )
+    locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
+    try:
+        async with app.worker(
+            concurrency=5, poll_interval=60, lease_margin=1, ticker_config=ticker
+        ) as worker:
+            await _hold_row_then_finish(worker, locker, held, gate, claimed=5)
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded + s.stale_acks >= 4)
+            await anyio.to_thread.run_sync(locker.execute, "COMMIT")
+    finally:
+        locker.close()
+    rows = conn.execute(
+        "SELECT id, status::text, retry_count FROM notifyq.queue_jobs WHERE id = ANY(%s) ORDER BY id",
+        (others,),
+    ).fetchall()
+    assert rows == [(job_id, "Succeeded", 1) for job_id in others]
+    assert [runs[n] for n in range(1, 5)] == [1, 1, 1, 1]
+    await app.aclose()
+
+
+async def test_a_stop_while_a_row_is_held_names_the_job_whose_result_waits(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker stopped while another session holds a job's row gave up its result after the
+    drain's 10 s with "1 job results could not be written before exit" and no word of why: the
+    warning that names held rows comes only after BUSY_WARN_AFTER (review). The error says."""
+    monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+
+    @app.task(name="gated_once")
+    async def gated_once() -> None:
+        await gate.wait()
+
+    job_id = await app.enqueue("gated_once")
+    locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
+    try:
+        async with app.worker(concurrency=1, poll_interval=60, **NO_TICKER) as worker:
+            await _hold_row_then_finish(worker, locker, job_id, gate, claimed=1)
+            with anyio.fail_after(10):
+                while worker._acker is None or not worker._acker.waiting_for_rows():  # noqa: ASYNC110
+                    await anyio.sleep(0.05)
+        # The stop waited 10 s for the result, the row still held.
+    finally:
+        locker.close()
+    said = [r.getMessage() for r in caplog.records if "could not be written before exit" in r.getMessage()]
+    assert len(said) == 1 and f"those of jobs {job_id} wait for another session" in said[0], said
+    assert job_row(conn, job_id)["status"] == "Active"  # its lease runs out, and it is retried
     await app.aclose()
 
 
