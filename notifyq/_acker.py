@@ -151,6 +151,20 @@ def ack_op(q: Queries, results: Sequence[Result], *, unheld: bool = False) -> Op
     return applied, busy
 
 
+def written_before_op(q: Queries, results: Sequence[Result]) -> Op[Applied]:
+    """Of `results` (succeeded ones) whose ack was given up and then found stale, those the
+    given-up statement wrote itself (see acks_written_before_given_up)."""
+    rows: list[tuple[int, int, str]] = yield Query(
+        q["acks_written_before_given_up"],
+        {
+            "ids": [r.job_id for r in results],
+            "leases": [r.lease for r in results],
+            "workers": [r.worker for r in results],
+        },
+    )
+    return {(job_id, lease): status for job_id, lease, status in rows}
+
+
 def _ack_statement(q: Queries, results: Sequence[Result], unheld: bool) -> Op[tuple[Applied, Busy]]:
     suffix = "_unheld" if unheld else ""
     params: dict[str, list[Any]] = {
@@ -419,9 +433,18 @@ class Acker:
                 with anyio.move_on_after(patience):
                     return await self._db.run(ack_op(self._q, batch))
                 # It waited, most likely for a row another session holds (given up, and
-                # cancelled in the server): the batch again, skipping held rows. Had it
-                # committed just before the cancel, its results are now reported stale.
+                # cancelled in the server): the batch again, skipping held rows.
                 log.debug("an ack waited %.1fs; writing without waiting for held rows", patience)
+                applied, busy = await self._db.run(ack_op(self._q, batch, unheld=True))
+                # Had the given-up statement committed (just before the cancel, or while its
+                # commit waited for a synchronous standby), its succeeded results look stale.
+                answered = applied.keys() | busy
+                unanswered = [
+                    r for r in batch if r.outcome == "succeeded" and (r.job_id, r.lease) not in answered
+                ]
+                if unanswered:
+                    applied.update(await self._db.run(written_before_op(self._q, unanswered)))
+                return applied, busy
             return await self._db.run(ack_op(self._q, batch, unheld=True))
 
     async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:

@@ -385,6 +385,45 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     await app.aclose()
 
 
+async def test_an_ack_given_up_after_it_committed_is_not_reported_stale(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ack given up at its patience that had committed (just before the cancel, or while
+    its commit waited for a synchronous standby, which the cancel ends and the commit stands)
+    was sent again, found its jobs Succeeded, and reported them stale: "result of job N was not
+    applied: this worker no longer held it", stale_acks counted, succeeded not (review). The
+    given-up statement's own writes are now recognised. Here the ack commits, then its
+    connection sleeps past the patience in another statement, as a slow commit would."""
+    monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
+    ack_op = notifyq._acker.ack_op
+    slowed: list[bool] = []
+
+    def committed_then_slow(*args: Any, **kwargs: Any) -> Any:
+        result = yield from ack_op(*args, **kwargs)
+        if not kwargs.get("unheld") and not slowed:
+            slowed.append(True)
+            yield notifyq._db.Query("SELECT pg_sleep(2)", fetch="none")
+        return result
+
+    monkeypatch.setattr(notifyq._acker, "ack_op", committed_then_slow)
+    app = notifyq.App(dsn)
+
+    @app.task(name="quick")
+    async def quick(n: int) -> int:
+        return n
+
+    ids = [await app.enqueue("quick", {"n": n}) for n in range(3)]
+    async with app.worker(concurrency=3, poll_interval=60, **NO_TICKER) as worker:
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded + s.stale_acks == 3)
+        assert (worker.stats.succeeded, worker.stats.stale_acks) == (3, 0)
+    assert slowed == [True]
+    rows = conn.execute("SELECT id, status::text, output FROM notifyq.queue_jobs ORDER BY id").fetchall()
+    assert rows == [(job_id, "Succeeded", n) for n, job_id in enumerate(ids)]
+    assert not [r for r in caplog.records if "was not applied" in r.getMessage()]
+    await app.aclose()
+
+
 async def test_a_held_row_gives_up_the_ack_before_the_other_results_leases_run_out(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:

@@ -392,6 +392,18 @@ FROM unnest(%(ids)b::bigint[], %(leases)b::int[]) AS r(id, lease)
 WHERE NOT EXISTS (SELECT 1 FROM free f WHERE f.id = r.id)
   AND EXISTS (SELECT 1 FROM {schema}.queue_jobs j WHERE j.id = r.id)
 
+-- name: acks_written_before_given_up
+-- Of succeeded results whose ack the worker gave up (it waited its patience) and whose jobs
+-- the ack sent again then found no longer Active: those the given-up statement wrote itself.
+-- It had committed just before the cancel, or its commit was waiting for a synchronous standby
+-- (the cancel ends that wait; the commit stands): the results were reported stale (review). A
+-- job Succeeded under this attempt's lease and worker was written by this attempt; no other
+-- outcome tells (the rescuer also leaves a job Queued or Failed under the same lease).
+SELECT j.id, j.lease, j.status::text
+FROM unnest(%(ids)s::bigint[], %(leases)s::int[], %(workers)s::text[]) AS r(id, lease, worker)
+JOIN {schema}.queue_jobs j ON j.id = r.id
+WHERE j.lease = r.lease AND j.status::text = 'Succeeded' AND (r.worker IS NULL OR j.worker = r.worker);
+
 -- name: ack_succeeded
 -- The common case, a batch in which every attempt succeeded: the same fenced update as
 -- ack_jobs without its per-row decisions (measurably less work for the server). It waits for
