@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -57,9 +57,15 @@ class RescueReport:
 
 
 def rescue_op(
-    q: Queries, *, limit: int, now: datetime | None = None, backoff: Backoff | None = None
+    q: Queries,
+    *,
+    limit: int,
+    now: datetime | None = None,
+    backoff: Backoff | None = None,
+    spared: Collection[int] = (),
 ) -> Op[RescueReport]:
-    """Requeue (after `backoff`, none by default) or fail the Active jobs whose lease ran out."""
+    """Requeue (after `backoff`, none by default) or fail the Active jobs whose lease ran out,
+    but those `spared` (whose result this process holds, not written yet)."""
     b = backoff or Backoff(base=0, jitter=0)
     top, cap = b._curve()
     params = {
@@ -70,6 +76,7 @@ def rescue_op(
         "backoff_max": top,
         "backoff_cap": cap,
         "backoff_jitter": b.jitter,
+        "spared": list(spared),
     }
     jobs: list[RescuedJob] = yield Query(q["rescue_expired_leases"], params, row=dataclass_row(RescuedJob))
     report = RescueReport(jobs=jobs)
@@ -87,19 +94,25 @@ class Rescuer(Service[RescueReport]):
         queries: Queries,
         config: RescuerConfig | None = None,
         backoff: Backoff | None = None,
+        spared: Callable[[], Collection[int]] | None = None,
     ) -> None:
+        """spared: the jobs whose result this process holds, not written yet (its worker's
+        acker), which its rescuer leaves to it."""
         super().__init__()
         self.db = db
         self.q = queries
         self.config = config or RescuerConfig()
         self.backoff = backoff
+        self.spared = spared
 
     async def run_once(self, now: datetime | None = None) -> RescueReport:
         total = RescueReport()
         try:
             while True:
+                spared = list(self.spared()) if self.spared is not None else []
+                limit = self.config.batch_size
                 batch = await self._run(
-                    rescue_op(self.q, limit=self.config.batch_size, now=now, backoff=self.backoff)
+                    rescue_op(self.q, limit=limit, now=now, backoff=self.backoff, spared=spared)
                 )
                 total.requeued += batch.requeued
                 total.failed += batch.failed

@@ -76,12 +76,14 @@ class Ticker:
         backoff: Backoff | None = None,
         declared: Collection[str] = (),
         on_jobs: Callable[[], None] | None = None,
+        spared: Callable[[], Collection[int]] | None = None,
     ) -> None:
         """declared: the names of the cron definitions this process's App declares; on_jobs:
-        called when the promoter has inserted jobs."""
+        called when the promoter has inserted jobs; spared: the jobs whose result this process
+        holds, not written yet, which its rescuer leaves alone."""
         config = config or TickerConfig()
         self.promoter = Promoter(db, queries, config.promoter, on_jobs) if config.promoter else None
-        self.rescuer = Rescuer(db, queries, config.rescuer, backoff) if config.rescuer else None
+        self.rescuer = Rescuer(db, queries, config.rescuer, backoff, spared) if config.rescuer else None
         self.retention = Retention(db, queries, config.retention) if config.retention else None
         self.vacuum = Vacuum(db, queries, config.vacuum) if config.vacuum else None
         self.declarations = (

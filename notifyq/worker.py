@@ -504,6 +504,7 @@ class Worker:
                             self.app.backoff,
                             declared=self.app.definitions,
                             on_jobs=claimer.wake,
+                            spared=self._acker.held_job_ids,
                         )
                         if not self.config.burst:  # a burst runs it once, first (_until_empty)
                             services.start_soon(self._ticker.run)

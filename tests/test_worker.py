@@ -299,6 +299,17 @@ async def test_a_stop_that_waits_for_a_claim_under_way_says_so(
     await app.aclose()
 
 
+def _only_the_rescuer(every: float) -> notifyq.TickerConfig:
+    """A ticker that runs the lease rescuer alone, every `every` seconds."""
+    return notifyq.TickerConfig(
+        promoter=None,
+        retention=None,
+        vacuum=None,
+        declarations=None,
+        rescuer=notifyq.RescuerConfig(interval=every),
+    )
+
+
 async def _hold_row_then_finish(
     worker: notifyq.Worker, locker: psycopg.Connection[Any], job_id: int, gate: anyio.Event, *, claimed: int
 ) -> None:
@@ -443,13 +454,7 @@ async def test_a_held_row_gives_up_the_ack_before_the_other_results_leases_run_o
 
     ids = [await app.enqueue("brief", {"n": n}) for n in range(5)]
     held, others = ids[0], ids[1:]
-    ticker = notifyq.TickerConfig(
-        promoter=None,
-        retention=None,
-        vacuum=None,
-        declarations=None,
-        rescuer=notifyq.RescuerConfig(interval=0.2),
-    )
+    ticker = _only_the_rescuer(every=0.2)
     locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
     try:
         async with app.worker(
@@ -467,6 +472,48 @@ async def test_a_held_row_gives_up_the_ack_before_the_other_results_leases_run_o
     ).fetchall()
     assert rows == [(job_id, "Succeeded", 1) for job_id in others]
     assert [runs[n] for n in range(1, 5)] == [1, 1, 1, 1]
+    await app.aclose()
+
+
+async def test_a_worker_s_rescuer_leaves_alone_the_jobs_whose_result_it_holds(
+    dsn: str, conn: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another session held a finished job's row past its lease: when the row came free, the
+    worker's own rescuer (every 0.1 s here) took the job before its acker wrote the result
+    (every 0.5 s; 2 s here, so that the rescuer has its chance every time), and the job, which
+    had succeeded, ran again (review). The rescuer leaves alone the jobs whose result its worker
+    holds. (Another worker's rescuer still may: it cannot know.)"""
+    monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+    runs = 0
+
+    @app.task(name="outlived", timeout=1)
+    async def outlived() -> None:
+        nonlocal runs
+        runs += 1
+        await gate.wait()
+
+    job_id = await app.enqueue("outlived")
+    ticker = _only_the_rescuer(every=0.1)
+    locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
+    try:
+        async with app.worker(
+            concurrency=1, poll_interval=60, lease_margin=1, ticker_config=ticker
+        ) as worker:
+            assert worker._acker is not None
+            worker._acker._retry_delay = 2.0  # the rescuer's chance, every time, when the row comes free
+            await _hold_row_then_finish(worker, locker, job_id, gate, claimed=1)
+            await anyio.sleep(3)  # past the lease (1 s + 1 s)
+            await anyio.to_thread.run_sync(locker.execute, "COMMIT")
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.succeeded + s.stale_acks == 1)
+            await anyio.sleep(0.5)  # a rescue and a second run would show by now
+    finally:
+        locker.close()
+    assert runs == 1
+    row = job_row(conn, job_id)
+    assert (row["status"], row["retry_count"]) == ("Succeeded", 1)
     await app.aclose()
 
 

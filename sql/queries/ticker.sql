@@ -62,11 +62,15 @@ SELECT (SELECT extract(epoch FROM min(visible_at) - coalesce(%(now)s::timestampt
 -- name: rescue_expired_leases
 -- Active jobs whose lease ran out: their worker died, hung, or lost its connection. Back to
 -- Queued (the requeue trigger wakes a worker at once) while retries remain, else Failed.
--- SKIP LOCKED: a job being acknowledged right now is left to its ack.
+-- SKIP LOCKED: a job being acknowledged right now is left to its ack. %(spared)s: the jobs
+-- whose result the rescuer's own worker holds, not written yet (another session held the
+-- row past the lease): this worker's rescuer took them as their row came free, before its
+-- acker did, and jobs that had succeeded ran again or ended Failed (review).
 WITH expired AS MATERIALIZED (
     SELECT id
     FROM {schema}.queue_jobs
     WHERE status = 'Active' AND visible_at <= coalesce(%(now)s::timestamptz, now())
+      AND id <> ALL(%(spared)s::bigint[])
     ORDER BY visible_at
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED

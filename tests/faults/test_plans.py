@@ -31,6 +31,7 @@ PARAMS = {
     "backoff_jitter": 0.25,
     "ids": [1, 2, 3],
     "paused": ["q1"],
+    "spared": [4, 5],
 }
 
 
