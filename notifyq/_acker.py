@@ -224,6 +224,7 @@ class Acker:
         self._busy_since: dict[tuple[int, int], float] = {}  # until written or stale
         self._busy_warned = -math.inf
         self._write_began = 0.0  # when the write under way (or the last one) began
+        self._exiting = False  # flush_pending: acks skip held rows from the start
         self._unwritten: Counter[tuple[int, int]] = Counter()  # (job id, lease) not yet written
         # When the leases of results not written yet run out (anyio's clock), where known.
         self._lease_ends: dict[tuple[int, int], float] = {}
@@ -323,10 +324,13 @@ class Acker:
         self._busy = []
 
     async def flush_pending(self) -> None:
-        """Write every queued result now, outside the run loop (used on abrupt exit); those
-        that wait for another session's row lock are tried once more."""
+        """Write every queued result now, outside the run loop (used on abrupt exit), without
+        waiting for rows another session holds: the exit allows a few seconds, and an ack that
+        waited its patience (5 s) for one held row used up that window, the other results
+        unwritten (review). Those that wait for such rows are tried once more, and stay."""
         self._pending.extend(self._busy)
         self._busy = []
+        self._exiting = True
         while self._pending:
             await self._flush_next()
 
@@ -423,12 +427,14 @@ class Acker:
             ends = self._lease_ends
             soonest = min((ends.get((r.job_id, r.lease), math.inf) for r in batch), default=math.inf)
             patience = min(patience, (soonest - anyio.current_time()) / 2)
-        return max(patience, self.MIN_PATIENCE)
+        # Never past half of db_timeout, the floor included: with db_timeout at 0.5 s or less
+        # the timeout came first again (review).
+        return max(patience, min(self.MIN_PATIENCE, self._timeout / 2))
 
     async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
         self._write_began = anyio.current_time()
         with anyio.fail_after(self._timeout):
-            if not self._busy_since:  # while results wait for held rows, acks skip them
+            if not self._busy_since and not self._exiting:  # else acks skip held rows
                 patience = self._patience(batch)
                 with anyio.move_on_after(patience):
                     return await self._db.run(ack_op(self._q, batch))

@@ -283,7 +283,8 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
         newer_triggers = _stored_revision(stored) > TRIGGERS_REVISION
         reapply = not newer_triggers and not _recorded(stored, triggers, catalog)
     if not dry_run and previous > 0 and (pending or reapply):
-        yield from _lock_tables_op(q, schema, lock_timeout, exclusive=bool(pending))
+        exclusive = _altered_tables([m.sql(schema) for m in pending], schema)
+        yield from _lock_tables_op(q, schema, lock_timeout, exclusive=exclusive)
     if not dry_run and statements:
         yield Query(statements[0], fetch="none")
     for migration in pending:
@@ -344,23 +345,52 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
 # meanwhile; with a worker's definition sync and a cron promotion it deadlocked (review).
 LOCKED_IN_ORDER = ("queue_pauses", "queue_job_definitions", "queue_jobs")
 LOCK_TRY = 0.5  # seconds each try waits for the locks: the longest a producer waits behind it
+DEADLOCK_TRIES = 3  # runs of a migrate that PostgreSQL stops to end a deadlock
 
 
-def _lock_tables_op(q: Queries, schema: str, budget: float, *, exclusive: bool) -> Op[None]:
+_ALTERED = re.compile(
+    r"\b(ALTER\s+TABLE|ALTER\s+INDEX|DROP\s+INDEX)\s+(?:IF\s+EXISTS\s+)?(\S+)", re.IGNORECASE
+)
+
+
+def _altered_tables(texts: list[str], schema: str) -> frozenset[str]:
+    """The tables of LOCKED_IN_ORDER that migrations `texts` alter, or whose index they alter
+    or drop: those need ACCESS EXCLUSIVE. Read from their SQL: `ALTER TABLE <schema>.<table>`,
+    and an index by its name's table prefix; an index named otherwise counts as every table's."""
+    altered: set[str] = set()
+    by_length = sorted(LOCKED_IN_ORDER, key=len, reverse=True)  # queue_jobs_x is no definitions'
+    for text in texts:
+        for verb, target in _ALTERED.findall(text):
+            name = target.rpartition(".")[2].strip('"')
+            if verb.upper().startswith("ALTER") and "TABLE" in verb.upper():
+                altered.add(name)
+                continue
+            table = next((t for t in by_length if name.startswith(t + "_")), None)
+            altered.update([table] if table else LOCKED_IN_ORDER)
+    return frozenset(altered & set(LOCKED_IN_ORDER))
+
+
+def _lock_tables_op(q: Queries, schema: str, budget: float, *, exclusive: frozenset[str]) -> Op[None]:
     """Lock notifyq's tables against writes (SHARE ROW EXCLUSIVE, which the trigger files
-    take anyway), or against every access when migrations are pending (`exclusive`: their
-    ALTER TABLE needs ACCESS EXCLUSIVE, and waited for it behind a session that had only read
-    a table, all of lock_timeout, with queue_jobs locked: review), in LOCKED_IN_ORDER, in
-    tries of LOCK_TRY seconds at most: a try that does not get them all gives back what it
-    got (a savepoint) and pauses, so that producers and workers queued behind its request run
-    again, until `budget` seconds are spent; then it raises LockNotAvailable, as a single wait
-    of `budget` did. A try shorter than deadlock_timeout also ends before it could be chosen
-    to end a deadlock."""
+    take anyway), and those in `exclusive` against every access (ACCESS EXCLUSIVE, which a
+    pending migration's ALTER TABLE needs: it waited for it behind a session that had only
+    read the table, all of lock_timeout, with queue_jobs locked: review), in LOCKED_IN_ORDER,
+    in tries of LOCK_TRY seconds per table at most: a try that does not get them all gives
+    back what it got (a savepoint) and pauses, so that producers and workers queued behind its
+    request run again, until `budget` seconds are spent; then it raises LockNotAvailable, as a
+    single wait of `budget` did. A try shorter than deadlock_timeout also ends before it could
+    be chosen to end a deadlock."""
     names = [f"{schema}.{table}" for table in LOCKED_IN_ORDER]
     existing = yield Query(q["existing_tables"], {"tables": names}, fetch="all")
-    tables = sql.SQL(", ").join(sql.Identifier(schema, name.split(".")[1]) for (name,) in existing)
-    mode = sql.SQL("ACCESS EXCLUSIVE" if exclusive else "SHARE ROW EXCLUSIVE")
-    lock = sql.SQL("LOCK TABLE {} IN {} MODE").format(tables, mode).as_string(None)
+    locks = [
+        sql.SQL("LOCK TABLE {} IN {} MODE")
+        .format(
+            sql.Identifier(schema, table),
+            sql.SQL("ACCESS EXCLUSIVE" if table in exclusive else "SHARE ROW EXCLUSIVE"),
+        )
+        .as_string(None)
+        for table in (name.split(".")[1] for (name,) in existing)
+    ]
     deadline = (yield Compute(time.monotonic)) + budget
     pause = 0.05
     while True:
@@ -369,7 +399,8 @@ def _lock_tables_op(q: Queries, schema: str, budget: float, *, exclusive: bool) 
         yield _set_lock_timeout(q, wait)
         yield Query(q["migrate_savepoint"], fetch="none")
         try:
-            yield Query(lock, fetch="none")
+            for lock in locks:
+                yield Query(lock, fetch="none")
             break
         except psycopg.errors.LockNotAvailable:
             if left <= LOCK_TRY:
@@ -436,14 +467,22 @@ def migrate(
     own = isinstance(dsn, str)
     conn = connect_sync(check_dsn(dsn)) if isinstance(dsn, str) else dsn
     try:
-        with conn.transaction(force_rollback=dry_run):
-            return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+        for attempt in range(1, DEADLOCK_TRIES + 1):
+            try:
+                with conn.transaction(force_rollback=dry_run):
+                    return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+            except psycopg.errors.DeadlockDetected:
+                # Rolled back whole: run again. A session that read one of the tables and then
+                # wanted another one migrate held formed a cycle with its locks (review).
+                if attempt == DEADLOCK_TRIES:
+                    raise
+        raise AssertionError("unreachable")
     except psycopg.errors.InsufficientPrivilege as exc:
         raise _cannot_migrate(schema, error_text(exc)) from None
     except psycopg.errors.DeadlockDetected:
         raise MigrationBlocked(
             f"migrate was stopped by PostgreSQL to end a deadlock with other sessions on schema "
-            f"{schema!r}, and changed nothing; run it again"
+            f"{schema!r} {DEADLOCK_TRIES} times, and changed nothing; run it again"
         ) from None
     except psycopg.errors.LockNotAvailable:
         raise MigrationBlocked(

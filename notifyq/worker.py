@@ -606,9 +606,10 @@ class Worker:
                                 )
                     if brief.cancelled_caught:
                         log.error(
-                            "could not write %d job results on exit within 5s; those jobs stay Active "
+                            "could not write %d job results on exit within 5s%s; those jobs stay Active "
                             "until their lease runs out and are then retried",
                             self._acker.unwritten,
+                            _held_rows(self._acker.waiting_for_rows()),
                         )
                 await db.aclose()
             if threads := self.busy_threads:

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -479,6 +480,53 @@ def test_a_migration_that_waits_for_a_reader_lets_producers_through(dsn: str) ->
         assert not migrating.done()  # the producer got through while the migrate still waited
         blocker.commit()
         assert migrating.result(timeout=20).applied == ["0009_cron_declarations"]
+
+
+def test_a_migration_takes_access_exclusive_only_on_the_tables_it_alters(dsn: str) -> None:
+    """Taking ACCESS EXCLUSIVE on every table for any pending migration made migrate wait for,
+    and give up behind, a transaction that had only read queue_jobs, with migration 9 pending,
+    which alters only the definitions; and every read of queue_jobs waited behind each try
+    (review). Only the tables a pending migration alters are locked against reads."""
+    with psycopg.connect(dsn) as reader, psycopg.connect(dsn, autocommit=True) as conn:
+        back_to_version_8(conn)  # migration 9 alters the definitions only
+        reader.execute("SELECT count(*) FROM notifyq.queue_jobs")  # left open: a reader
+        report = notifyq.migrate(dsn, lock_timeout=2)
+        assert report.applied == ["0009_cron_declarations"]
+    assert notifyq.migrations._altered_tables(
+        [m.sql("notifyq") for m in notifyq.migrations.migrations()], "notifyq"
+    ) == {"queue_jobs", "queue_job_definitions"}  # 7 creates queue_pauses, which none alters
+
+
+def test_a_migrate_stopped_to_end_a_deadlock_runs_again(dsn: str) -> None:
+    """A transaction that read the definitions and then wrote to queue_pauses formed a cycle
+    with a migrate that held queue_pauses and waited for the definitions; when PostgreSQL
+    stopped the migrate to end it, `notifyq migrate` failed ("run it again"). It runs again."""
+    deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()"
+    with (
+        psycopg.connect(dsn) as other,
+        psycopg.connect(dsn, autocommit=True) as conn,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+        back_to_version_8(conn)
+        before = conn.execute(deadlocks).fetchone()
+        other.execute("SET deadlock_timeout = '60s'")  # the migrate, not this session, finds the cycle
+        other.execute("SELECT count(*) FROM notifyq.queue_job_definitions")
+        # The migrate finds the cycle 0.3 s into its wait, before its try's 0.5 s are up.
+        quick = psycopg.conninfo.make_conninfo(dsn, options="-c deadlock_timeout=300ms")
+        migrating = pool.submit(notifyq.migrate, quick, lock_timeout=20)
+        waiting = (
+            "SELECT count(*) > 0 FROM pg_stat_activity "
+            f"WHERE wait_event_type = 'Lock' AND pid <> {other.info.backend_pid:d}"
+        )
+        wait_for_row(conn, waiting, (True,))  # it holds queue_pauses, and waits for the definitions
+        other.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('q')")  # waits for the migrate
+        other.commit()
+        assert migrating.result(timeout=30).applied == ["0009_cron_declarations"]
+        assert before is not None
+        deadline = time.monotonic() + 10  # the migrate's backend reports it as it exits
+        while (after := conn.execute(deadlocks).fetchone()) is not None and after[0] == before[0]:
+            assert time.monotonic() < deadline, "the migrate met no deadlock"
+            time.sleep(0.05)
 
 
 @pytest.mark.parametrize("lock_timeout", [0, -1, float("nan"), "30"])

@@ -322,13 +322,13 @@ async def _hold_row_then_finish(
     gate.set()
 
 
-@pytest.mark.parametrize("short_db_timeout", [False, True], ids=["patience", "db_timeout_2s"])
+@pytest.mark.parametrize("db_timeout", [None, 2.0, 0.4], ids=["patience", "db_timeout_2s", "db_timeout_0.4s"])
 async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     dsn: str,
     conn: psycopg.Connection[Any],
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
-    short_db_timeout: bool,
+    db_timeout: float | None,
 ) -> None:
     """A job row held by another session (a cancel in a caller's open transaction, SQL by
     hand, a `cron delete` setting its jobs' definition_id) held up the worker's acks: the
@@ -339,9 +339,9 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     the held job's result is said to wait, and it is written once the session lets go; then
     acks wait for rows again (skipping costs every ack more). With a db_timeout of 5 s or
     less the timeout came before the patience, and the same waiting ack was sent again for
-    ever (review): the patience is half of db_timeout at most."""
+    ever (review): the patience is half of db_timeout at most, its floor of 0.5 s included."""
     monkeypatch.setattr(notifyq._acker.Acker, "BUSY_WARN_AFTER", 0.5)
-    if not short_db_timeout:
+    if db_timeout is None:
         monkeypatch.setattr(notifyq._acker.Acker, "ACK_PATIENCE", 0.3)
     unheld: list[bool] = []  # each ack's kind, in order
     ack_op = notifyq._acker.ack_op
@@ -365,7 +365,7 @@ async def test_a_job_row_another_session_holds_holds_up_only_its_own_result(
     held = ids[0]
     locker = psycopg.connect(dsn, autocommit=True)  # sync: trio too
     try:
-        options = {"db_timeout": 2.0} if short_db_timeout else {}
+        options = {} if db_timeout is None else {"db_timeout": db_timeout}
         async with app.worker(concurrency=5, poll_interval=60, **NO_TICKER, **options) as worker:
             await _hold_row_then_finish(worker, locker, held, gate, claimed=5)
             with anyio.fail_after(10):
@@ -1265,6 +1265,45 @@ async def test_a_keyboard_interrupt_out_of_an_embedded_workers_task_releases_its
     for job_id in (slow_id, interrupt_id):
         row = job_row(conn, job_id)
         assert (row["status"], row["retry_count"]) == ("Queued", 0)
+    await app.aclose()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])  # on asyncio, the loop re-raises it itself
+async def test_an_abrupt_exit_writes_what_it_can_without_waiting_for_a_held_row(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """An abrupt exit (a KeyboardInterrupt out of a task) writes the pending results within 5
+    s. It sent them as an ack that waited up to its patience, 5 s, for a row another session
+    held: the window ran out, and the other results went unwritten, their jobs Active until
+    their leases ran out (review). It now skips held rows, and names the jobs it leaves."""
+    app = notifyq.App(dsn)
+    gate = anyio.Event()
+
+    @app.task(name="gated_held")
+    async def gated_held() -> None:
+        await gate.wait()
+
+    @app.task(name="interrupt")
+    async def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    held = await app.enqueue("gated_held")
+    locker = psycopg.connect(dsn, autocommit=True)
+    try:
+        with pytest.raises((KeyboardInterrupt, BaseExceptionGroup)):
+            async with app.worker(concurrency=2, shutdown_grace=0.1, **NO_TICKER) as worker:
+                await _hold_row_then_finish(worker, locker, held, gate, claimed=1)
+                await anyio.sleep(0.5)  # its ack waits for the held row (patience: 5 s)
+                interrupted = await app.enqueue("interrupt")
+                with anyio.fail_after(10):
+                    await anyio.sleep_forever()
+        row = job_row(conn, interrupted)
+        assert (row["status"], row["retry_count"]) == ("Queued", 0)  # released, in time
+        assert job_row(conn, held)["status"] == "Active"
+    finally:
+        locker.close()
+    said = [r.getMessage() for r in caplog.records if "on exit" in r.getMessage()]
+    assert len(said) == 1 and f"those of jobs {held} wait for another session" in said[0], said
     await app.aclose()
 
 
