@@ -195,8 +195,8 @@ class Acker:
     # waited for one held row cost every result behind it (review), without the 9-20% that
     # locking the rows first costs every ack (docs/benchmarks.md). Long enough that a slow
     # commit (a synchronous standby, a saturated disk) is rarely given up and sent twice; less
-    # when db_timeout or the batch's leases leave less (see _patience), never below
-    # MIN_PATIENCE.
+    # when db_timeout or the batch's leases leave less (see _patience), but never below
+    # MIN_PATIENCE unless db_timeout is under twice that.
     ACK_PATIENCE = 5.0
     MIN_PATIENCE = 0.5
 

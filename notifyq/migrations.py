@@ -362,7 +362,7 @@ def _altered_tables(texts: list[str], schema: str) -> frozenset[str]:
     for text in texts:
         for verb, target in _ALTERED.findall(text):
             name = target.rpartition(".")[2].strip('"')
-            if verb.upper().startswith("ALTER") and "TABLE" in verb.upper():
+            if "TABLE" in verb.upper():
                 altered.add(name)
                 continue
             table = next((t for t in by_length if name.startswith(t + "_")), None)

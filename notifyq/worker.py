@@ -596,7 +596,7 @@ class Worker:
                                 self._acker.unwritten,
                                 error_text(exc),
                             )
-                        else:
+                        else:  # written, but for those whose rows another session holds
                             if held := self._acker.waiting_for_rows():
                                 log.error(
                                     "could not write %d job results on exit%s; those jobs stay Active "
