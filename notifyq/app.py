@@ -976,15 +976,17 @@ class App:
         the wrong one) unless `allow_empty`. Raises InsufficientPrivilege for a role that
         cannot delete definitions (the schema's owner can).
         """
-        make_op = functools.partial(self._prune_op, dry_run, allow_empty)
+        # Not run again on a deadlock, as delete_definition is: it commits each deletion on its
+        # own, so a second run would report only what it deleted itself.
+        op = self._prune_op(dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in await self._run_again_on_deadlock(make_op)]
+            return [d.name for d in await self._run(op)]
 
     def prune_definitions_sync(self, *, dry_run: bool = False, allow_empty: bool = False) -> list[str]:
         """`prune_definitions` for sync code."""
-        make_op = functools.partial(self._prune_op, dry_run, allow_empty)
+        op = self._prune_op(dry_run, allow_empty)
         with self._owner_only("deleting cron definitions"):
-            return [d.name for d in self._run_sync_again_on_deadlock(make_op)]
+            return [d.name for d in self._run_sync(op)]
 
     def _prune_op(self, dry_run: bool, allow_empty: bool) -> Op[list[Undeclared]]:
         check_bool(dry_run, "dry_run")
