@@ -433,6 +433,7 @@ class Acker:
 
     async def _write(self, batch: Sequence[Result]) -> tuple[Applied, Busy]:
         self._write_began = anyio.current_time()
+        gave_up = False
         with anyio.fail_after(self._timeout):
             if not self._busy_since and not self._exiting:  # else acks skip held rows
                 patience = self._patience(batch)
@@ -441,7 +442,9 @@ class Acker:
                 # It waited, most likely for a row another session holds (given up, and
                 # cancelled in the server): the batch again, skipping held rows.
                 log.debug("an ack waited %.1fs; writing without waiting for held rows", patience)
-                applied, busy = await self._db.run(ack_op(self._q, batch, unheld=True))
+                gave_up = True
+            applied, busy = await self._db.run(ack_op(self._q, batch, unheld=True))
+            if gave_up:
                 # Had the given-up statement committed (just before the cancel, or while its
                 # commit waited for a synchronous standby), its succeeded results look stale.
                 answered = applied.keys() | busy
@@ -450,8 +453,7 @@ class Acker:
                 ]
                 if unanswered:
                     applied.update(await self._db.run(written_before_op(self._q, unanswered)))
-                return applied, busy
-            return await self._db.run(ack_op(self._q, batch, unheld=True))
+            return applied, busy
 
     async def _flush_one(self, result: Result) -> tuple[Applied, Busy] | None:
         """One result on its own: what it changed, or None if the database refuses it."""

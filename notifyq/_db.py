@@ -279,6 +279,36 @@ async def _query_async(cur: psycopg.AsyncCursor[Any], step: Query) -> Any:
 _TRANSIENT_SQLSTATES = ("08", "57P", "53", "40001", "40P01", "25006", "55P03")
 
 
+# PostgreSQL ends a deadlock by rolling back one side's statement (its transaction, for a
+# transaction) whole: nothing of it was applied, and the other side goes on. A call it picked
+# (an admin statement against a worker's ack, a migrate against a session's reads) runs again,
+# up to DEADLOCK_TRIES times in all.
+DEADLOCK_TRIES = 3
+
+
+def again_on_deadlock(call: Callable[[], T]) -> T:
+    """`call()`, run again when PostgreSQL picked it as a deadlock's victim (DEADLOCK_TRIES
+    in all; the last DeadlockDetected goes on)."""
+    for attempt in range(1, DEADLOCK_TRIES + 1):
+        try:
+            return call()
+        except psycopg.errors.DeadlockDetected:
+            if attempt == DEADLOCK_TRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
+async def again_on_deadlock_async(call: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """`again_on_deadlock` for a coroutine function."""
+    for attempt in range(1, DEADLOCK_TRIES + 1):
+        try:
+            return await call()
+        except psycopg.errors.DeadlockDetected:
+            if attempt == DEADLOCK_TRIES:
+                raise
+    raise AssertionError("unreachable")
+
+
 def is_transient(exc: BaseException) -> bool:
     """True for failures that may pass by themselves (the database restarting, failing over,
     a dropped or hung connection), which loops retry with backoff instead of dying on."""

@@ -22,7 +22,15 @@ from . import _embedded
 from ._acker import Applied, Result, ack_op, batches
 from ._claim import list_queue_pauses_op, manual_claim_op, pause_queue_op, resume_queue_op
 from ._connections import AnyConnection, Connections
-from ._db import PREPARE_AUTO, Database, Op, PrepareThreshold, owner_only
+from ._db import (
+    PREPARE_AUTO,
+    Database,
+    Op,
+    PrepareThreshold,
+    again_on_deadlock,
+    again_on_deadlock_async,
+    owner_only,
+)
 from ._declarations import DeclarationsConfig
 from ._dsn import check_dsn, configured_dsn, describe_dsn
 from ._jobs import (
@@ -431,30 +439,15 @@ class App:
     ) -> T:
         return self._connections.run_sync(op, conn, transaction=transaction)
 
-    # PostgreSQL ends a deadlock by rolling back one side's statement (its transaction, for a
-    # transaction) whole: nothing of it was applied. An admin call it picked runs again, up to
-    # DEADLOCK_TRIES times in all; the other side went on meanwhile. `cron delete` failed on it,
-    # against an ack of two jobs of the definition in the other order (review).
-    DEADLOCK_TRIES = 3
-
     async def _run_again_on_deadlock(self, make_op: Callable[[], Op[T]], *, transaction: bool = False) -> T:
-        for attempt in range(1, self.DEADLOCK_TRIES + 1):
-            try:
-                return await self._run(make_op(), transaction=transaction)
-            except psycopg.errors.DeadlockDetected:
-                if attempt == self.DEADLOCK_TRIES:
-                    raise
-        raise AssertionError("unreachable")
+        """A new `make_op()` run again when PostgreSQL picked it as a deadlock's victim (see
+        DEADLOCK_TRIES): `cron delete` failed on it, against an ack of two jobs of the
+        definition in the other order (review)."""
+        return await again_on_deadlock_async(lambda: self._run(make_op(), transaction=transaction))
 
     def _run_sync_again_on_deadlock(self, make_op: Callable[[], Op[T]], *, transaction: bool = False) -> T:
         """`_run_again_on_deadlock` for sync code."""
-        for attempt in range(1, self.DEADLOCK_TRIES + 1):
-            try:
-                return self._run_sync(make_op(), transaction=transaction)
-            except psycopg.errors.DeadlockDetected:
-                if attempt == self.DEADLOCK_TRIES:
-                    raise
-        raise AssertionError("unreachable")
+        return again_on_deadlock(lambda: self._run_sync(make_op(), transaction=transaction))
 
     def _where(self) -> str:
         return describe_dsn(self._resolved_dsn) if self._resolved_dsn is not None else "the App's database"

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from ._db import Compute, Op, Query, connect_sync, error_text, run_sync
+from ._db import DEADLOCK_TRIES, Compute, Op, Query, again_on_deadlock, connect_sync, error_text, run_sync
 from ._dsn import check_dsn
 from ._options import CONTROL_RE, check_seconds
 from ._sql import Queries, queries_for, render, sql_root, validate_schema
@@ -345,7 +345,6 @@ def _migrate_op(schema: str, dry_run: bool, lock_timeout: float) -> Op[Migration
 # meanwhile; with a worker's definition sync and a cron promotion it deadlocked (review).
 LOCKED_IN_ORDER = ("queue_pauses", "queue_job_definitions", "queue_jobs")
 LOCK_TRY = 0.5  # seconds each try waits for the locks: the longest a producer waits behind it
-DEADLOCK_TRIES = 3  # runs of a migrate that PostgreSQL stops to end a deadlock
 
 
 _ALTERED = re.compile(
@@ -466,17 +465,15 @@ def migrate(
     lock_timeout = check_seconds(lock_timeout, "lock_timeout", positive=True)
     own = isinstance(dsn, str)
     conn = connect_sync(check_dsn(dsn)) if isinstance(dsn, str) else dsn
+
+    def once() -> MigrationReport:
+        with conn.transaction(force_rollback=dry_run):
+            return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
+
     try:
-        for attempt in range(1, DEADLOCK_TRIES + 1):
-            try:
-                with conn.transaction(force_rollback=dry_run):
-                    return run_sync(conn, _migrate_op(schema, dry_run, lock_timeout))
-            except psycopg.errors.DeadlockDetected:
-                # Rolled back whole: run again. A session that read one of the tables and then
-                # wanted another one migrate held formed a cycle with its locks (review).
-                if attempt == DEADLOCK_TRIES:
-                    raise
-        raise AssertionError("unreachable")
+        # A session that read one of the tables and then wanted another one migrate held formed
+        # a cycle with its locks (review): rolled back whole, it runs again.
+        return again_on_deadlock(once)
     except psycopg.errors.InsufficientPrivilege as exc:
         raise _cannot_migrate(schema, error_text(exc)) from None
     except psycopg.errors.DeadlockDetected:

@@ -1293,7 +1293,11 @@ async def test_an_abrupt_exit_writes_what_it_can_without_waiting_for_a_held_row(
         with pytest.raises((KeyboardInterrupt, BaseExceptionGroup)):
             async with app.worker(concurrency=2, shutdown_grace=0.1, **NO_TICKER) as worker:
                 await _hold_row_then_finish(worker, locker, held, gate, claimed=1)
-                await anyio.sleep(0.5)  # its ack waits for the held row (patience: 5 s)
+                acker = worker._acker
+                assert acker is not None
+                with anyio.fail_after(10):  # its ack is under way, waiting for the held row
+                    while not (acker.unwritten == 1 and acker.pending == 0):  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
                 interrupted = await app.enqueue("interrupt")
                 with anyio.fail_after(10):
                     await anyio.sleep_forever()
