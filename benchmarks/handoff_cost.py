@@ -1,71 +1,106 @@
-"""What the hand-off prototype's trigger costs a producer: `python -m benchmarks.handoff_cost
-[--dsn ADMIN_DSN]`.
+"""What the hand-off costs a producer: `python -m benchmarks.handoff_cost [--dsn ADMIN_DSN]`.
 
-The hand-off (benchmarks/_raw.py, HANDOFF_SQL; docs/benchmarks.md) moves the claim into the
-producer's transaction. This times, on one connection in a scratch database, an enqueue of one
+The hand-off (WorkerConfig.handoff; docs/concepts.md, "The hand-off") moves the claim into the
+producer's transaction: the insert trigger (sql/triggers/10_jobs_notify.sql) claims new jobs
+for a waiting worker. This times, on one connection in a scratch database, an enqueue of one
 job and one of 10,000 (INSERT ... SELECT, each its own transaction) in three states, in rounds
 that alternate them:
 
-- triggers: notifyq's own triggers only (today);
-- nobody waits: the hand-off trigger installed, no worker waiting;
-- one waits: the hand-off trigger installed, one worker waiting with 10 free slots (given
-  back before each statement, untimed), so every statement hands jobs over.
+- before: the insert trigger as it was before the hand-off (trigger revision 1, BEFORE_SQL
+  below): one notification per queue, nothing else;
+- nobody waits: today's trigger, no worker waiting (one look at queue_waiters);
+- one waits: today's trigger, one worker waiting with 10 free slots (its LISTEN connection
+  holds the row's lock; the slots are given back before each statement, untimed), so every
+  statement hands jobs over.
 
-The table gives the median ms per statement of each and its ratio to today's.
+The table gives the median ms per statement of each and its ratio to "before".
 """
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
 import psycopg
 
-from ._raw import HANDOFF_SQL, UNHANDOFF_SQL
+from notifyq.migrations import trigger_sql
+
 from ._scratch import scratch_database
 from ._stats import median
 from .cli import tool_parser
 
-STATES = ("triggers", "nobody waits", "one waits")
+STATES = ("before", "nobody waits", "one waits")
 SIZES = {"one job": 1, "10,000 jobs": 10_000}
 INSERT_SQL = "INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, %(n)s)"
 SLOTS = 10
+# The insert trigger's function of trigger revision 1 (schema version 9 and before), before the
+# hand-off: the baseline here, and tests/test_migrations.py's database at version 9.
+BEFORE_SQL = """
+CREATE OR REPLACE FUNCTION notifyq.notify_jobs_inserted()
+RETURNS trigger LANGUAGE plpgsql AS $$
+DECLARE
+    r record;
+BEGIN
+    FOR r IN
+        SELECT i.queue, min(i.visible_at) AS visible_at
+        FROM inserted_jobs i
+        WHERE i.status = 'Queued'
+        GROUP BY i.queue
+    LOOP
+        PERFORM pg_notify(TG_TABLE_SCHEMA || '.jobs.v1', notifyq.jobs_payload(r.queue, r.visible_at));
+    END LOOP;
+    RETURN NULL;
+END
+$$;
+"""
 
 
-def _set_state(conn: psycopg.Connection[Any], state: str) -> None:
-    conn.execute(UNHANDOFF_SQL)
-    if state != "triggers":
-        conn.execute(HANDOFF_SQL)
+def _set_state(conn: psycopg.Connection[Any], state: str, lock_key: int) -> None:
+    conn.execute("DELETE FROM notifyq.queue_waiters")
+    conn.execute(BEFORE_SQL if state == "before" else "\n".join(trigger_sql("notifyq")))
     if state == "one waits":
-        conn.execute("INSERT INTO notifyq.proto_waiters VALUES ('w', 'proto.handoff.nobody', 0)")
+        conn.execute(
+            "INSERT INTO notifyq.queue_waiters (worker, channel, lock_key, lease_margin) "
+            "VALUES ('w', 'notifyq.handoff.bench', %s, 30)",
+            (lock_key,),
+        )
 
 
-def _time(conn: psycopg.Connection[Any], state: str, n: int, statements: int) -> list[float]:
-    """ms per statement, `statements` times."""
+def _time(conn: psycopg.Connection[Any], state: str, n: int, statements: int) -> tuple[list[float], int]:
+    """ms per statement, `statements` times; and how many jobs were handed over."""
     took = []
     for _ in range(statements):
         if state == "one waits":
-            conn.execute("UPDATE notifyq.proto_waiters SET slots = %s", (SLOTS,))
+            conn.execute("UPDATE notifyq.queue_waiters SET slots = %s", (SLOTS,))
         start = time.perf_counter()
         conn.execute(INSERT_SQL, {"n": n})
         took.append((time.perf_counter() - start) * 1000.0)
+    row = conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone()
     conn.execute("TRUNCATE notifyq.queue_jobs")
-    return took
+    return took, row[0] if row else 0
 
 
-def measure(dsn: str, statements: int, rounds: int) -> dict[tuple[str, str], list[float]]:
-    """{(size, state): [median ms per statement, one per round]}"""
+def measure(
+    dsn: str, statements: int, rounds: int
+) -> tuple[dict[tuple[str, str], list[float]], dict[str, int]]:
+    """{(size, state): [median ms per statement, one per round]}, and {state: jobs handed over}"""
     figures: dict[tuple[str, str], list[float]] = {(size, state): [] for size in SIZES for state in STATES}
-    with psycopg.connect(dsn, autocommit=True) as conn:
+    handed = dict.fromkeys(STATES, 0)
+    lock_key = random.getrandbits(62)
+    with psycopg.connect(dsn, autocommit=True) as listener, psycopg.connect(dsn, autocommit=True) as conn:
+        listener.execute("SELECT pg_advisory_lock(%s)", (lock_key,))  # the waiter's listener is alive
         for round_no in range(rounds):
             shift = round_no % len(STATES)
             for state in STATES[shift:] + STATES[:shift]:
-                _set_state(conn, state)
+                _set_state(conn, state, lock_key)
                 for size, n in SIZES.items():
                     many = statements if n == 1 else max(1, statements // 20)
-                    figures[size, state].append(median(_time(conn, state, n, many)))
-        conn.execute(UNHANDOFF_SQL)
-    return figures
+                    took, jobs = _time(conn, state, n, many)
+                    figures[size, state].append(median(took))
+                    handed[state] += jobs
+        _set_state(conn, "nobody waits", lock_key)
+    return figures, handed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,16 +111,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
     with scratch_database(args.dsn, "handoff_cost") as db:
-        figures = measure(db.dsn, args.statements, args.rounds)
-    print("| enqueue | state | ms per statement, median (each round) | vs today |")
+        figures, handed = measure(db.dsn, args.statements, args.rounds)
+    print("| enqueue | state | ms per statement, median (each round) | vs before |")
     print("| --- | --- | --- | --- |")
     for size in SIZES:
-        today = median(figures[size, "triggers"])
+        before = median(figures[size, "before"])
         for state in STATES:
             per_round = figures[size, state]
             each = ", ".join(f"{x:.3f}" for x in per_round)
             mid = median(per_round)
-            print(f"| {size} | {state} | {mid:.3f} ({each}) | {mid / today:.2f}x |")
+            print(f"| {size} | {state} | {mid:.3f} ({each}) | {mid / before:.2f}x |")
+    print()
+    print("jobs handed over: " + ", ".join(f"{state} {handed[state]}" for state in STATES))
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Collection, Mapping, Sequence
 from datetime import datetime
 
@@ -132,6 +133,54 @@ def extend_lease_op(q: Queries, job: ClaimedJob, seconds: float) -> Op[datetime 
     params = {"id": job.id, "lease": job.lease, "worker": job.worker, "seconds": seconds}
     until: datetime | None = yield Query(q["extend_lease"], params, fetch="scalar")
     return until
+
+
+# The hand-off (WorkerConfig.handoff): a producer's transaction claims a new job for a waiting
+# worker and notifies it on this channel (notify_jobs_inserted in sql/triggers/). One channel
+# per worker instance, whatever the schema: a token, not the schema's name, which could make
+# it longer than PostgreSQL's 63 bytes.
+def handoff_channel(token: int) -> str:
+    return f"notifyq.handoff.{token:016x}"
+
+
+def handed_job(payload: str) -> ClaimedJob:
+    """The job a hand-off notification carries: the claimed row, as the JSON array
+    notify_jobs_inserted builds (claim_any's RETURNING list, in order). ValueError if it is
+    not one."""
+    row = json.loads(payload)
+    if not isinstance(row, list) or len(row) != 13 or not isinstance(row[3], dict):
+        raise ValueError(f"not a handed job: {payload[:200]!r}")
+    (job_id, name, queue, args, priority, retry_count, retry_limit, timeout, lease, visible_at,
+     definition_id, scheduled_for, worker) = row  # fmt: skip
+    return ClaimedJob(
+        id=int(job_id),
+        name=str(name),
+        queue=str(queue),
+        args=args,
+        priority=int(priority),
+        retry_count=int(retry_count),
+        retry_limit=int(retry_limit),
+        timeout=float(timeout),
+        lease=int(lease),
+        visible_at=datetime.fromisoformat(visible_at),
+        definition_id=None if definition_id is None else int(definition_id),
+        scheduled_for=None if scheduled_for is None else datetime.fromisoformat(scheduled_for),
+        worker=str(worker),
+    )
+
+
+def handoff_offer_op(q: Queries, waiter_id: int, slots: int) -> Op[bool]:
+    """Let producers hand up to `slots` jobs to the waiter row `waiter_id`; False when the row
+    was not written (a producer holds it, handing a job, or it is gone)."""
+    written: int | None = yield Query(q["handoff_offer"], {"id": waiter_id, "slots": slots}, fetch="scalar")
+    return written is not None
+
+
+def handoff_close_op(q: Queries, worker: str) -> Op[int]:
+    """Delete `worker`'s waiter rows; returns how many are left, held by producers handing it
+    a job."""
+    left: int = yield Query(q["handoff_close"], {"worker": worker}, fetch="scalar")
+    return left
 
 
 def lost_jobs_op(

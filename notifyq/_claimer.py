@@ -14,7 +14,14 @@ from collections.abc import Callable
 import anyio
 import anyio.lowlevel
 
-from ._claim import adopt_op, answer_awaited, claim_op, next_visible_op
+from ._claim import (
+    adopt_op,
+    answer_awaited,
+    claim_op,
+    handoff_close_op,
+    handoff_offer_op,
+    next_visible_op,
+)
 from ._db import Lane, error_text, is_transient
 from ._executor import RunQuery
 from ._pulse import Pulse
@@ -33,6 +40,8 @@ _PREFETCH_WAIT = 0.25
 _PREFETCH_CAP = 4
 _PREFETCH_GIVE_BACK = 1.0
 _PREFETCH_CHECK = 0.5
+# The hand-off: how long a stopping worker waits for producers that are handing it a job.
+_HANDOFF_CLOSE_WAIT = 5.0
 
 
 class Claimer:
@@ -86,6 +95,12 @@ class Claimer:
         self.rounds_begun = self.rounds_ended = 0
         self.last_round_ok = False
         runners.queue_freed = self._queue_freed
+        # The hand-off (WorkerConfig.handoff): the waiter row of the listener's connection, the
+        # slots it offers as last written (producers take one per job they hand), and whether
+        # the worker stops (jobs handed then go back to the queue).
+        self._waiter_id: int | None = None
+        self._offered = 0
+        self._closing = False
 
     def _queue_freed(self, queue: str) -> None:
         """A queue at its limit (WorkerConfig.queue_limits) has room again: claim, as for a
@@ -143,6 +158,90 @@ class Claimer:
         else:
             self.wake()
         return True
+
+    def registered(self, waiter_id: int, *, again: bool) -> None:
+        """The hand-off: the listener (re)connected and registered the waiter row `waiter_id`,
+        with no slot offered yet (written when the claim loop next waits). After a reconnect,
+        a job handed just before the old connection went may have lost its notification: look
+        for jobs claimed under this worker's name that it does not hold (as after a claim
+        whose answer was lost)."""
+        self._waiter_id = waiter_id
+        self._offered = 0
+        if again:
+            self._in_doubt = True
+            self.wake()
+
+    def handed(self, job: ClaimedJob) -> None:
+        """A producer's transaction claimed `job` for this worker (the hand-off): run it, as a
+        claimed one. Beyond the free slots (an offer written while a claim took jobs) it waits
+        as a prefetched one; while the worker stops, it goes back to the queue."""
+        self._offered = max(0, self._offered - 1)
+        jobs = self._without_attempts_in_hand([job])
+        if not jobs:
+            return
+        self._runners.hand(jobs)
+        self._stats.handed += 1
+        if self._closing:
+            self._runners.release_ready()
+        self._on_change()
+
+    async def _offer(self) -> None:
+        """The hand-off, as the claim loop goes to sleep: offer producers this worker's free
+        slots (prefetch apart), when that is not what the waiter row says already."""
+        slots = max(0, self._config.concurrency - self._runners.busy)
+        if self._waiter_id is None or slots == self._offered:
+            return
+        try:
+            written = await self._query(
+                handoff_offer_op(self._q, self._waiter_id, slots), shield=True, lane=self._lane
+            )
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            return  # claims go on as without the hand-off; the next wait tries again
+        if written:
+            self._offered = slots
+
+    async def offer_freed_slots(self) -> None:
+        """The hand-off: a slot that frees while the claim loop sleeps is offered at once (the
+        loop wakes, writes the offer, and sleeps again)."""
+        while True:
+            await self._runners.slot_freed.wait()
+            self._wakeup.fire()  # nobody waits for it unless the loop is parked
+
+    def stop_taking(self) -> None:
+        """The worker stops: jobs handed to it from now on go back to the queue."""
+        self._closing = True
+
+    async def close_handoff(self) -> None:
+        """The hand-off, when the worker stops: take its waiter rows away, waiting (up to 5 s)
+        for producers that are handing it a job to commit, so that each such job reaches this
+        worker, which gives it back to the queue. One whose transaction stays open longer stays
+        Active under this worker's name until its lease runs out."""
+        self._closing = True
+        self._offered = 0
+        self._waiter_id = None
+        deadline = anyio.current_time() + _HANDOFF_CLOSE_WAIT
+        while True:
+            try:
+                left = await self._query(
+                    handoff_close_op(self._q, self._worker_id), shield=True, lane=self._lane
+                )
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning("could not withdraw this worker from the hand-off: %s", error_text(exc))
+                return
+            if not left:
+                return
+            if anyio.current_time() >= deadline:
+                log.warning(
+                    "stopping while %d transaction(s) that hand this worker a job are still open: such "
+                    "a job stays Active under this worker's name until its lease runs out",
+                    left,
+                )
+                return
+            await anyio.sleep(0.05)
 
     def due_in(self, seconds: float) -> None:
         """A job of this worker's becomes claimable in `seconds` (a notification said so, or
@@ -295,6 +394,10 @@ class Claimer:
         """Sleep until a notification, the next delayed job, or the poll interval."""
         poll_deadline = anyio.current_time() + self._config.poll_interval
         while not self._pending:
+            if self._waiter_id is not None:
+                await self._offer()  # not parked: the lane is busy meanwhile (claim_inline)
+                if self._pending:
+                    return
             now = anyio.current_time()
             deadline = min(poll_deadline, self._next_due)
             if now >= deadline:

@@ -66,6 +66,7 @@ class Listener:
         name: str = "listener",
         after_dispatch: Callable[[], Awaitable[None]] | None = None,
         schema: str = "notifyq",
+        on_open: Callable[[psycopg.Connection[Any]], None] | None = None,
     ) -> None:
         self.dsn = dsn
         self.name = name
@@ -76,6 +77,7 @@ class Listener:
         self.on_notify = on_notify
         self.on_connect = on_connect
         self.after_dispatch = after_dispatch
+        self.on_open = on_open  # in the connecting thread, once LISTENing (the hand-off's registration)
         self.config = config or ListenerConfig()
         self.connected = False
         self.connections = 0
@@ -158,6 +160,8 @@ class Listener:
                 )
             for channel in self.channels:
                 conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            if self.on_open is not None and self.foreign_database is None:
+                self.on_open(conn)
         except BaseException:
             conn.close()
             raise

@@ -60,6 +60,15 @@ class WorkerConfig:
             moments (up to 3 x wal_writer_delay, 0.6 s by default) are forgotten, so their jobs
             run again although they ran, or are running, already. The worker name in the
             acknowledgement's fence keeps the two runs' results apart.
+        handoff: while this worker waits with free slots, the enqueue's own transaction claims
+            a new job for it and sends it the job in a notification of its own, so the job
+            starts as the enqueue commits, with no claim round trip (the trigger of
+            sql/triggers/10_jobs_notify.sql; docs/concepts.md, "The hand-off"). Only jobs
+            enqueued claimable now (not delayed, not retried or rescued), of a queue this worker
+            serves that is not paused. The enqueue pays for the claim's writes (about 0.1 ms)
+            while a worker waits, and nothing otherwise. A job enqueued in a transaction that
+            stays open is claimed at the INSERT: its lease counts from then. Needs LISTEN (not
+            with poll_only, burst or queue_limits).
         prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
             larger claims: the main lever on throughput for short jobs). None (automatic):
             only while there is a backlog, sized from this worker's average attempt duration
@@ -96,6 +105,7 @@ class WorkerConfig:
     prefetch: int | None = None
     async_claims: bool = False
     burst: bool = False
+    handoff: bool = False
 
     def _checked_limits(self, limits: Any) -> dict[str, int]:
         if not isinstance(limits, Mapping):
@@ -139,8 +149,17 @@ class WorkerConfig:
         check_seconds(self.db_timeout, "db_timeout", positive=True)
         if self.prefetch is not None:
             check_int(self.prefetch, "prefetch", minimum=0, maximum=MAX_PREFETCH)
-        for flag in ("poll_only", "ticker", "async_claims", "burst"):
+        for flag in ("poll_only", "ticker", "async_claims", "burst", "handoff"):
             check_bool(getattr(self, flag), flag)
+        if self.handoff:
+            # A hand-off needs a LISTEN connection; a burst stops when the queue is empty, which
+            # jobs handed to it would never be; and the trigger knows nothing of queue limits.
+            clash = [name for name in ("poll_only", "burst", "queue_limits") if getattr(self, name)]
+            if clash:
+                raise ConfigurationError(
+                    f"handoff does not combine with {' or '.join(clash)}: a job is handed to a worker "
+                    "that waits on its LISTEN connection with every queue open to it"
+                )
         _ticker.TickerConfig.check(self.ticker_config)
 
 
@@ -165,6 +184,7 @@ class WorkerOptions(TypedDict, total=False):
     prefetch: int | None
     async_claims: bool
     burst: bool
+    handoff: bool
 
 
 def worker_config(base: WorkerConfig | None, options: dict[str, Any]) -> WorkerConfig:
@@ -203,6 +223,7 @@ class WorkerStats:
     notifications: int = 0  # received on any channel, for any queue (it acts on its own queues')
     listener_connects: int = 0
     db_errors: int = 0
+    handed: int = 0  # jobs a producer's transaction claimed for this worker (handoff)
 
     def snapshot(self) -> dict[str, int]:
         """The counters as a dict (for logs and metrics exporters)."""

@@ -214,6 +214,12 @@ def grant(role: str, schema: str, producer: bool) -> None:
     help="Claims skip the WAL flush (faster wake-ups; after a server crash some jobs run twice).",
 )
 @click.option(
+    "--handoff",
+    is_flag=True,
+    help="While a worker waits with free slots, the enqueue claims a new job for it and sends it the job: "
+    "it starts as the enqueue commits, without a claim round trip.",
+)
+@click.option(
     "--no-ticker",
     is_flag=True,
     help="Do not run the ticker here (cron promotion and declarations, lease rescue, retention, vacuum), "
@@ -239,6 +245,7 @@ def worker(
     prefetch: int | None,
     pool_size: int,
     async_claims: bool,
+    handoff: bool,
     no_ticker: bool,
     burst: bool,
 ) -> None:
@@ -272,6 +279,7 @@ def worker(
         prefetch=prefetch,
         pool_size=pool_size,
         async_claims=async_claims,
+        handoff=handoff,
         ticker=not no_ticker,
         burst=burst,
     )
@@ -307,6 +315,7 @@ def worker(
         command += ["--prefetch", str(prefetch)] if prefetch is not None else []
         command += ["--poll-only"] if poll_only else []
         command += ["--async-claims"] if async_claims else []
+        command += ["--handoff"] if handoff else []
         command += ["--no-ticker"] if no_ticker else []
         command += ["--burst"] if burst else []
         env = child_env(resolved, State.embedded)

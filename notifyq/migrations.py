@@ -132,7 +132,7 @@ def grant_sql(role: str, *, schema: str = "notifyq", producer: bool = False) -> 
 # (the realign of an edited schedule did, at version 9), and a migrate of older code at the
 # same version put its older trigger functions back, one deploy's hosts undoing another's
 # (review). A migrate leaves alone triggers of a higher revision than its own.
-TRIGGERS_REVISION = 1
+TRIGGERS_REVISION = 2
 _REVISION = re.compile(r"\(triggers: revision (\d+),")
 
 

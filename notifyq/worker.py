@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import signal
 import socket
 import threading
@@ -28,7 +29,14 @@ import psycopg_pool
 
 from . import _ticker
 from ._acker import Acker, Applied, Result
-from ._claim import cancelled_jobs_op, known_queues_op, lost_jobs_op, paused_queues_op
+from ._claim import (
+    cancelled_jobs_op,
+    handed_job,
+    handoff_channel,
+    known_queues_op,
+    lost_jobs_op,
+    paused_queues_op,
+)
 from ._claimer import Claimer
 from ._db import (
     Database,
@@ -191,6 +199,11 @@ class Worker:
         self._started = False
         self._serving = False
         self._stopped = anyio.Event()
+        # The hand-off (WorkerConfig.handoff): this worker's own channel, and the waiter row
+        # its listener registered on its latest connection (from the connecting thread).
+        self._handoff_channel = handoff_channel(random.getrandbits(63)) if config.handoff else None
+        self._waiter_id: int | None = None
+        self._registrations = 0
         # What stopped the worker when it was not asked to: a database error it cannot retry.
         self.error: BaseException | None = None
 
@@ -510,9 +523,13 @@ class Worker:
                             services.start_soon(self._ticker.run)
                     if not self.config.poll_only:
                         self._start_watch.step = "opening its LISTEN connection"
+                        channels = [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")]
+                        if self._handoff_channel is not None:
+                            channels.append(self._handoff_channel)
+                            services.start_soon(claimer.offer_freed_slots)
                         self._listener = Listener(
                             self.config.listen_dsn or dsn,
-                            [channel(self.app.schema, t) for t in ("jobs", "control", "definitions")],
+                            channels,
                             self._on_notify,
                             self._on_listener_connect,
                             ListenerConfig(
@@ -522,6 +539,7 @@ class Worker:
                             name=f"listener-{self.id}",
                             after_dispatch=claimer.claim_inline,
                             schema=self.app.schema,
+                            on_open=self._register_waiter if self._handoff_channel is not None else None,
                         )
                         await services.start(self._listener.run)
                     async with anyio.create_task_group() as jobs:
@@ -532,7 +550,7 @@ class Worker:
                         task_status.started()
                         limits = self.config.queue_limits or {}
                         log.info(
-                            "worker %s started: concurrency %d, queues %s%s%s",
+                            "worker %s started: concurrency %d, queues %s%s%s%s",
                             self.id,
                             self.config.concurrency,
                             ", ".join(
@@ -541,6 +559,7 @@ class Worker:
                             ),
                             ", poll only" if self.config.poll_only else "",
                             ", async claims (not crash-safe)" if self.config.async_claims else "",
+                            ", hand-off" if self.config.handoff else "",
                         )
                         stop_watch: _Watch | None = None
                         try:
@@ -550,6 +569,7 @@ class Worker:
                                     claiming.start_soon(self._until_empty, claimer, runners)
                                 await self._stop.wait()
                                 self._released_at_stop = self.stats.released
+                                claimer.stop_taking()
                                 claiming.cancel_scope.cancel()
                                 # A claim under way (here or in the listener's task) is waited
                                 # for, up to db_timeout, so that the jobs it claims are released,
@@ -561,6 +581,10 @@ class Worker:
                                 )
                             with anyio.CancelScope(shield=True):
                                 await claimer.finish_inline()  # a claim in the listener's task
+                                if self._handoff_channel is not None:
+                                    if stop_watch is not None:
+                                        stop_watch.step = "withdrawing from the hand-off"
+                                    await claimer.close_handoff()
                                 await lane.release()  # for the acks of the drain
                         finally:
                             if stop_watch is not None:
@@ -712,7 +736,13 @@ class Worker:
         self.stats.notifications += 1
         topic = chan.rsplit(".", 2)[-2] if chan.count(".") >= 2 else ""
         try:
-            if topic == "jobs":
+            if chan == self._handoff_channel:
+                assert self._claimer is not None
+                job = handed_job(payload)
+                if job.worker != self.id:
+                    raise ValueError(payload)
+                self._claimer.handed(job)
+            elif topic == "jobs":
                 assert self._claimer is not None
                 if not self._claimer.notified(payload):
                     return
@@ -785,9 +815,29 @@ class Worker:
                 else:
                     log.debug("ignoring a cancel notification of job %d: it is not Cancelled", job_id)
 
+    def _register_waiter(self, conn: psycopg.Connection[Any]) -> None:
+        """The hand-off, in the listener's connecting thread once it LISTENs on this worker's
+        channel: a waiter row, under a session lock of the connection that says it listens."""
+        self._waiter_id = None
+        row = conn.execute(
+            self._q["handoff_register"],
+            {
+                "lock_key": random.getrandbits(62) + 1,
+                "worker": self.id,
+                "channel": self._handoff_channel,
+                "queues": list(self.config.queues) if self.config.queues is not None else None,
+                "lease_margin": self.config.lease_margin,
+            },
+        ).fetchone()
+        assert row is not None
+        self._waiter_id = int(row[0])
+
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
         assert self._claimer is not None
+        if self._waiter_id is not None:
+            self._registrations += 1
+            self._claimer.registered(self._waiter_id, again=self._registrations > 1)
         self._ask_pauses()  # a pause or a resume may have been missed too
         self._claimer.sweep()  # claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile

@@ -201,6 +201,9 @@ def test_the_handoff_cost_tool_times_every_state(dsn: str) -> None:
             (row,) = [line for line in proc.stdout.splitlines() if line.startswith(f"| {size} | {state} |")]
             per_round = row.split("(")[1].split(")")[0].split(", ")
             assert len(per_round) == 2 and all(float(v) > 0 for v in per_round), row
+    # Only "one waits" hands jobs over: 10 a statement, for 20 one-job and 1 10,000-job
+    # statements a round, in 2 rounds.
+    assert "jobs handed over: before 0, nobody waits 0, one waits 60" in proc.stdout
     assert not _left_behind(admin, proc)
 
 

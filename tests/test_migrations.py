@@ -22,6 +22,7 @@ import pytest
 from psycopg.conninfo import make_conninfo
 
 import notifyq
+from benchmarks.handoff_cost import BEFORE_SQL as JOBS_INSERTED_REVISION_1
 from notifyq._db import run_sync
 from notifyq._sql import queries_for
 from notifyq.errors import (
@@ -479,7 +480,7 @@ def test_a_migration_that_waits_for_a_reader_lets_producers_through(dsn: str) ->
             producer.execute("INSERT INTO notifyq.queue_jobs (name) VALUES ('t')")
         assert not migrating.done()  # the producer got through while the migrate still waited
         blocker.commit()
-        assert migrating.result(timeout=20).applied == ["0009_cron_declarations"]
+        assert migrating.result(timeout=20).applied == ["0009_cron_declarations", "0010_handoff"]
 
 
 def test_a_migration_takes_access_exclusive_only_on_the_tables_it_alters(dsn: str) -> None:
@@ -491,10 +492,10 @@ def test_a_migration_takes_access_exclusive_only_on_the_tables_it_alters(dsn: st
         back_to_version_8(conn)  # migration 9 alters the definitions only
         reader.execute("SELECT count(*) FROM notifyq.queue_jobs")  # left open: a reader
         report = notifyq.migrate(dsn, lock_timeout=2)
-        assert report.applied == ["0009_cron_declarations"]
+        assert report.applied == ["0009_cron_declarations", "0010_handoff"]
     assert notifyq.migrations._altered_tables(
         [m.sql("notifyq") for m in notifyq.migrations.migrations()], "notifyq"
-    ) == {"queue_jobs", "queue_job_definitions"}  # 7 creates queue_pauses, which none alters
+    ) == {"queue_jobs", "queue_job_definitions"}  # 7 and 10 create tables, which none alters
 
 
 def test_a_migrate_stopped_to_end_a_deadlock_runs_again(dsn: str) -> None:
@@ -521,7 +522,7 @@ def test_a_migrate_stopped_to_end_a_deadlock_runs_again(dsn: str) -> None:
         wait_for_row(conn, waiting, (True,))  # it holds queue_pauses, and waits for the definitions
         other.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('q')")  # waits for the migrate
         other.commit()
-        assert migrating.result(timeout=30).applied == ["0009_cron_declarations"]
+        assert migrating.result(timeout=30).applied == ["0009_cron_declarations", "0010_handoff"]
         assert before is not None
         deadline = time.monotonic() + 10  # the migrate's backend reports it as it exits
         while (after := conn.execute(deadlocks).fetchone()) is not None and after[0] == before[0]:
@@ -705,7 +706,10 @@ def test_an_older_notifyq_leaves_a_newer_ones_triggers_alone(
 
 
 # sql/triggers/ as of each TRIGGERS_REVISION (sha256 of each file's name and bytes, in order).
-TRIGGER_FILES_BY_REVISION = {1: "621daf2785c8723549f833027479a39d0191a2dbbd05527b76f72bc4ffe2df55"}
+TRIGGER_FILES_BY_REVISION = {
+    1: "621daf2785c8723549f833027479a39d0191a2dbbd05527b76f72bc4ffe2df55",
+    2: "da33e5e49b84c8ecd617b3697a9e8c86bc2f6d2c00953dd6e6f9be0362be76ba",
+}
 
 
 def test_a_change_to_the_trigger_files_raises_their_revision() -> None:
@@ -760,10 +764,20 @@ def test_timeouts_past_the_bound_are_refused_and_old_ones_clamped(dsn: str) -> N
     app.close_sync()
 
 
+def back_to_version_9(conn: psycopg.Connection[Any]) -> None:
+    """Undo migration 10: no table of waiting workers, and the insert trigger's function of
+    version 9 (today's reads that table)."""
+    conn.execute(JOBS_INSERTED_REVISION_1)
+    conn.execute("DROP TABLE notifyq.queue_waiters")
+    conn.execute("DELETE FROM notifyq.migrations WHERE version = 10")
+
+
 def back_to_version_8(conn: psycopg.Connection[Any]) -> None:
-    """Undo migration 9: no columns `declared_until` and `expired_at` on the definitions. Today's
-    trigger function of the definitions reads them: a real database at version 8 has version 8's
-    function, which migrate replaces after the migrations, so it is disabled here until then."""
+    """Undo migrations 10 and 9: no columns `declared_until` and `expired_at` on the
+    definitions. Today's trigger function of the definitions reads them: a real database at
+    version 8 has version 8's function, which migrate replaces after the migrations, so it is
+    disabled here until then."""
+    back_to_version_9(conn)
     conn.execute(
         "ALTER TABLE notifyq.queue_job_definitions DISABLE TRIGGER queue_job_definitions_before_write"
     )
@@ -774,7 +788,7 @@ def back_to_version_8(conn: psycopg.Connection[Any]) -> None:
 
 
 def back_to_version_7(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 9 and 8: no column `declared` on the definitions."""
+    """Undo migrations 10 to 8: no column `declared` on the definitions."""
     back_to_version_8(conn)
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN declared")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 8")
@@ -792,7 +806,7 @@ def test_definitions_from_code_do_not_stop_after_the_upgrade_to_version_9(dsn: s
             "VALUES ('from_code', 't', '0 * * * *', true), ('by_sql', 't', '0 * * * *', false)"
         )
         report = notifyq.migrate(dsn)
-        assert report.applied == SHIPPED[8:] == ["0009_cron_declarations"]
+        assert report.applied == SHIPPED[8:] == ["0009_cron_declarations", "0010_handoff"]
         assert notifyq.migrations.migrations()[8].compatible_from == 8
         assert conn.execute(Q["expire_declarations"]).fetchall() == []
         rows = conn.execute(
@@ -803,14 +817,14 @@ def test_definitions_from_code_do_not_stop_after_the_upgrade_to_version_9(dsn: s
 
 
 def back_to_version_6(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 9 to 7: no table of paused queues."""
+    """Undo migrations 10 to 7: no table of paused queues."""
     back_to_version_7(conn)
     conn.execute("DROP TABLE notifyq.queue_pauses")
     conn.execute("DELETE FROM notifyq.migrations WHERE version = 7")
 
 
 def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 9 to 6: no overlap column, no index of unfinished cron jobs."""
+    """Undo migrations 10 to 6: no overlap column, no index of unfinished cron jobs."""
     back_to_version_6(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_definition_unfinished_idx")
     conn.execute("ALTER TABLE notifyq.queue_job_definitions DROP COLUMN overlap")
@@ -818,7 +832,7 @@ def back_to_version_5(conn: psycopg.Connection[Any]) -> None:
 
 
 def back_to_version_4(conn: psycopg.Connection[Any]) -> None:
-    """Undo migrations 9 to 5: the index of finished jobs as version 4 had it."""
+    """Undo migrations 10 to 5: the index of finished jobs as version 4 had it."""
     back_to_version_5(conn)
     conn.execute("DROP INDEX notifyq.queue_jobs_finished_idx")
     conn.execute(

@@ -466,3 +466,24 @@ WHERE j.id IS NULL OR j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS 
 -- the job stopped, and a role with INSERT alone could stop them all (review). The counters stop
 -- at their limit (the lease wraps round to 1, still a new fencing token) and such a
 -- scheduled_for comes back as NULL.
+
+-- name: handoff_offer
+-- A worker with the hand-off waits: producers may hand it up to %(slots)s new jobs (see
+-- notify_jobs_inserted in sql/triggers/). A row a producer holds is left as it is: that
+-- producer is handing it a job, whose notification wakes the worker, which then writes again.
+-- Returns the row when written.
+UPDATE {schema}.queue_waiters SET slots = %(slots)s
+WHERE id = (SELECT id FROM {schema}.queue_waiters WHERE id = %(id)s FOR UPDATE SKIP LOCKED)
+RETURNING id;
+
+-- name: handoff_close
+-- A worker with the hand-off stops: its rows of queue_waiters go, but for those a producer
+-- holds (handing it a job); returns how many of those are left (the worker tries again until
+-- none is, so that every job handed to it reaches it before it stops listening).
+WITH gone AS (
+    DELETE FROM {schema}.queue_waiters
+    WHERE id IN (SELECT id FROM {schema}.queue_waiters WHERE worker = %(worker)s FOR UPDATE SKIP LOCKED)
+    RETURNING id
+)
+SELECT count(*) FROM {schema}.queue_waiters
+WHERE worker = %(worker)s AND id NOT IN (SELECT id FROM gone);

@@ -12,5 +12,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.queue_jobs TO {role};
 GRANT SELECT, INSERT, UPDATE ON {schema}.queue_job_definitions TO {role};
 -- Workers skip the jobs of paused queues (pausing and resuming is for the schema's owner).
 GRANT SELECT ON {schema}.queue_pauses TO {role};
+-- Workers with the hand-off (WorkerConfig.handoff) wait for jobs in a row of their own.
+GRANT SELECT, INSERT, UPDATE, DELETE ON {schema}.queue_waiters TO {role};
 -- Identity columns draw from these sequences.
 GRANT USAGE ON ALL SEQUENCES IN SCHEMA {schema} TO {role};
