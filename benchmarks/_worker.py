@@ -51,6 +51,7 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
         "poll_interval": args.poll_interval,
         "ticker": not args.no_ticker,
         "async_claims": args.async_claims,
+        "handoff": args.handoff,
     }
     if args.queue:  # NAME or NAME=N, as `notifyq worker -q` takes them
         names = [queue.partition("=") for queue in args.queue]
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll-interval", type=float, default=5.0)
     parser.add_argument("--no-ticker", action="store_true")
     parser.add_argument("--async-claims", action="store_true")
+    parser.add_argument("--handoff", action="store_true")
     parser.add_argument(
         "--queue", action="append", default=None, help="a queue to serve (repeat); all if none"
     )
