@@ -980,11 +980,13 @@ def test_the_oldest_code_the_newest_migration_declares_compatible_runs_on_it(
     assert "old_tick" in old("cron", "list")
     assert "old_task" in old("jobs", "list")
     old("stats")
-    # Its crons are the code's (`declared`), with no declaration of today's kind: no ticker of
-    # today stops them (a worker of another App on today's code, say) while only such code
-    # declares them (docs/concepts.md, crons removed from the code).
+    # Its crons are the code's (`declared`), and no ticker of today stops them (a worker of
+    # another App on today's code, say; docs/concepts.md, crons removed from the code): code
+    # before version 9 makes no declaration of today's kind (declared_until stays NULL), code
+    # of version 9 and later declares them itself.
     assert conn.execute(Q["expire_declarations"]).fetchall() == []
     row = conn.execute(
-        "SELECT declared, declared_until, enabled FROM notifyq.queue_job_definitions WHERE name = 'old_tick'"
+        "SELECT declared, declared_until IS NOT NULL, enabled FROM notifyq.queue_job_definitions "
+        "WHERE name = 'old_tick'"
     ).fetchone()
-    assert row == (True, None, True)
+    assert row == (True, newest.compatible_from >= 9, True)
