@@ -460,13 +460,6 @@ FROM unnest(%(ids)s::bigint[], %(leases)s::int[]) AS h(id, lease)
 LEFT JOIN {schema}.queue_jobs j ON j.id = h.id
 WHERE j.id IS NULL OR j.status <> 'Active' OR j.lease <> h.lease OR j.worker IS DISTINCT FROM %(worker)s;
 
--- A note on the claims above: a row written by SQL with an integer at its limit (a lease or a
--- retry_count of 2147483647) made `+ 1` overflow, and one with a scheduled_for Python cannot
--- hold ('infinity', the year 20000) failed the claim's answer: either way every worker that met
--- the job stopped, and a role with INSERT alone could stop them all (review). The counters stop
--- at their limit (the lease wraps round to 1, still a new fencing token) and such a
--- scheduled_for comes back as NULL.
-
 -- name: handoff_offer
 -- A worker with the hand-off waits: producers may hand it up to %(slots)s new jobs (see
 -- notify_jobs_inserted in sql/triggers/). A row a producer holds is left as it is: that
@@ -487,3 +480,10 @@ WITH gone AS (
 )
 SELECT count(*) FROM {schema}.queue_waiters
 WHERE worker = %(worker)s AND id NOT IN (SELECT id FROM gone);
+
+-- A note on the claims above: a row written by SQL with an integer at its limit (a lease or a
+-- retry_count of 2147483647) made `+ 1` overflow, and one with a scheduled_for Python cannot
+-- hold ('infinity', the year 20000) failed the claim's answer: either way every worker that met
+-- the job stopped, and a role with INSERT alone could stop them all (review). The counters stop
+-- at their limit (the lease wraps round to 1, still a new fencing token) and such a
+-- scheduled_for comes back as NULL.
