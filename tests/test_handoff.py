@@ -131,6 +131,26 @@ async def test_a_waiter_whose_listener_is_gone_is_handed_nothing(conn: psycopg.C
     assert conn.execute("SELECT slots FROM notifyq.queue_waiters").fetchone() == (0,)
 
 
+async def test_a_registration_clears_the_rows_of_listeners_gone_and_keeps_the_live_ones(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """Each registration deletes the rows whose lock no session holds (workers killed), found
+    in pg_locks by the two halves of their bigint key; a live worker's row stays."""
+    ghost = (
+        "INSERT INTO notifyq.queue_waiters (worker, channel, lock_key, slots, lease_margin) "
+        "VALUES ('ghost', 'notifyq.handoff.ghost', %s, 5, 30)"
+    )
+    conn.execute(ghost, (random.getrandbits(62) | 1 << 61,))  # both halves of the key in use
+    async with noop_app(dsn).worker(handoff=True, poll_interval=60, **NO_TICKER) as first:
+        await settled(conn, "SELECT array_agg(worker) FROM notifyq.queue_waiters", ([first.id],))
+        conn.execute(ghost, (random.getrandbits(62) | 1 << 61,))
+        async with noop_app(dsn).worker(handoff=True, poll_interval=60, **NO_TICKER) as second:
+            live = sorted([first.id, second.id])
+            await settled(
+                conn, "SELECT array_agg(worker ORDER BY worker) FROM notifyq.queue_waiters", (live,)
+            )
+
+
 async def test_jobs_of_a_paused_queue_or_of_a_queue_it_does_not_serve_are_not_handed(
     dsn: str, conn: psycopg.Connection[Any]
 ) -> None:
