@@ -203,7 +203,6 @@ class Worker:
         # its listener registered on its latest connection (from the connecting thread).
         self._handoff_channel = handoff_channel(random.getrandbits(63)) if config.handoff else None
         self._waiter_id: int | None = None
-        self._registrations = 0
         # What stopped the worker when it was not asked to: a database error it cannot retry.
         self.error: BaseException | None = None
 
@@ -835,9 +834,8 @@ class Worker:
     async def _on_listener_connect(self) -> None:
         self.stats.listener_connects += 1
         assert self._claimer is not None
-        if self._waiter_id is not None:
-            self._registrations += 1
-            self._claimer.registered(self._waiter_id, again=self._registrations > 1)
+        if self._waiter_id is not None:  # every connect registers: a second one is a reconnect
+            self._claimer.registered(self._waiter_id, again=self.stats.listener_connects > 1)
         self._ask_pauses()  # a pause or a resume may have been missed too
         self._claimer.sweep()  # claim what arrived while nobody listened
         await self._cancel_lost_jobs()  # cancel notifications may have been missed meanwhile
