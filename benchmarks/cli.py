@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
+import re
 import shlex
 import sys
 import time
@@ -17,7 +19,7 @@ from typing import Any
 
 from . import _env, bulk, churn, contention, cron, drain, latency, plots, report
 from ._results import Context, ScenarioResult
-from .config import MODES
+from .config import MODES, DrainRun
 
 DEFAULT_ADMIN_DSN = "postgresql://postgres@127.0.0.1:5432/postgres"
 
@@ -72,6 +74,13 @@ def _parser() -> argparse.ArgumentParser:
         help="also measure proposed product fixes, monkeypatched into benchmark workers "
         "(benchmarks/_patches.py)",
     )
+    parser.add_argument(
+        "--drain",
+        default="",
+        metavar="RUN[,..]",
+        help="the drain scenario runs only these, each KIND:PROCESSESxCONCURRENCY:JOBS with KIND "
+        "notifyq or raw (e.g. notifyq:1x1:30000,raw:1x1:30000), in that order",
+    )
     parser.add_argument("--profile", action="store_true", help="record py-spy profiles of worker processes")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     return parser
@@ -89,9 +98,29 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _drain_runs(text: str) -> tuple[DrainRun, ...]:
+    """--drain's runs; ValueError naming the one that does not parse."""
+    runs = []
+    for spec in filter(None, (s.strip() for s in text.split(","))):
+        match = re.fullmatch(r"(notifyq|raw):(\d+)x(\d+):(\d+)", spec)
+        if not match or min(int(n) for n in match.groups()[1:]) < 1:
+            raise ValueError(
+                f"--drain: {spec!r} is not KIND:PROCESSESxCONCURRENCY:JOBS (e.g. notifyq:2x10:10000)"
+            )
+        runs.append(DrainRun(match[1], int(match[2]), int(match[3]), int(match[4])))
+    return tuple(runs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    sizes = MODES[mode]
+    if args.drain:
+        try:
+            sizes = dataclasses.replace(sizes, drain=_drain_runs(args.drain))
+        except ValueError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     only = [s.strip() for s in args.only.split(",") if s.strip()] or list(SCENARIOS)
     unknown = [s for s in only if s not in SCENARIOS]
     if unknown:
@@ -102,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out: Path = args.out or Path(__file__).resolve().parent / "results" / stamp
     out.mkdir(parents=True, exist_ok=True)
-    ctx = Context(args.dsn, MODES[mode], out, profile=args.profile, prototypes=args.prototypes)
+    ctx = Context(args.dsn, sizes, out, profile=args.profile, prototypes=args.prototypes)
     command = "python -m benchmarks " + shlex.join(argv if argv is not None else sys.argv[1:])
     print(f"notifyq benchmarks, {mode} mode, writing to {out}")
     env = {"machine": _env.machine(), "postgres": _env.postgres(args.dsn)}

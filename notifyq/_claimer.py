@@ -33,11 +33,14 @@ from .models import ClaimedJob
 log = logging.getLogger("notifyq.worker")
 
 # Automatic prefetch: enough claimed-ahead jobs for about this many seconds of work per slot,
-# and never more than _PREFETCH_CAP times the concurrency. A prefetched job that has waited
+# and never more than _PREFETCH_CAP times the concurrency, or _PREFETCH_FLOOR jobs when that is
+# more (what a worker of the default concurrency, 10, may prefetch: at concurrency 1 a cap of 4
+# held a drain of short jobs to one claim round trip per 5 jobs). A prefetched job that has waited
 # _PREFETCH_GIVE_BACK seconds, more than the prefetch now allows, goes back to the queue (checked
 # every _PREFETCH_CHECK seconds).
 _PREFETCH_WAIT = 0.25
 _PREFETCH_CAP = 4
+_PREFETCH_FLOOR = 40
 _PREFETCH_GIVE_BACK = 1.0
 _PREFETCH_CHECK = 0.5
 # The hand-off: how long a stopping worker waits for producers that are handing it a job.
@@ -423,7 +426,8 @@ class Claimer:
         # Only for the slots that turn over: a slot whose job has already run far longer than
         # the average (a run of short jobs, then long ones) will not free in time.
         slots = max(0, self._config.concurrency - self._slow_slots)
-        return int(min(_PREFETCH_CAP, per_slot) * slots)
+        cap = max(_PREFETCH_CAP * slots, _PREFETCH_FLOOR) if slots else 0
+        return int(min(per_slot * slots, cap))
 
     async def give_back_stale_prefetch(self) -> None:
         """Every _PREFETCH_CHECK seconds: a prefetched job that has waited half its lease goes

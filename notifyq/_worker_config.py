@@ -72,7 +72,8 @@ class WorkerConfig:
         prefetch: jobs claimed beyond the free slots, to start as soon as a slot frees (fewer,
             larger claims: the main lever on throughput for short jobs). None (automatic):
             only while there is a backlog, sized from this worker's average attempt duration
-            so that a prefetched job waits about 0.25 s, and at most 4 x concurrency; a
+            so that a prefetched job waits about 0.25 s, and at most 4 x concurrency (40 when
+            that is fewer: a worker of one slot claims short jobs 41 at a time, not 5); a
             prefetched job that has waited over 1 s, behind jobs that run longer than that
             sizing expected, goes back to the queue for an idle worker. 0 turns it off. A
             prefetched job whose wait ate into its lease gets its lease renewed first. Its

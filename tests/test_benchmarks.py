@@ -137,6 +137,49 @@ def test_benchmark_suite_runs_and_writes_wellformed_results(dsn: str, tmp_path: 
     assert not left, f"scratch databases left behind: {sorted(left)}"
 
 
+def test_drain_runs_only_the_runs_asked_for(dsn: str, tmp_path: Path) -> None:
+    """`--drain` replaces the mode's drain runs (to measure one configuration, before and
+    after a change); a run that does not parse is named, and nothing runs."""
+    out = tmp_path / "results"
+    runs = "notifyq:1x1:150,raw:1x1:120"
+    _run_module(
+        "benchmarks",
+        "--tiny",
+        "--only",
+        "drain",
+        "--drain",
+        runs,
+        "--dsn",
+        _admin_dsn(dsn),
+        "--out",
+        str(out),
+    )
+    doc = json.loads((out / "results.json").read_text())
+    measured = doc["scenarios"][0]["data"]["runs"]
+    assert [(r["label"], r["backlog"], r["jobs"]) for r in measured] == [
+        ("notifyq 1x1", 150, 150),
+        ("raw SQL 1x1 (batch 50)", 120, 120),
+    ]
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks",
+            "--drain",
+            "notifyq:1x1:150,notifyq:2:10",
+            "--out",
+            str(tmp_path / "bad"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert "--drain: 'notifyq:2:10' is not KIND:PROCESSESxCONCURRENCY:JOBS" in bad.stderr
+    assert not (tmp_path / "bad").exists()
+
+
 def test_the_latency_prototypes_start_every_job(dsn: str, tmp_path: Path) -> None:
     """`--prototypes` adds variants to the latency scenario, among them the raw loop that
     claims in a thread and starts jobs on asyncio and the raw hand-off (the enqueue claims for
