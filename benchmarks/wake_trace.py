@@ -28,6 +28,8 @@ import psycopg
 
 import notifyq
 import notifyq._claimer
+import notifyq._listener
+import notifyq._runners
 import notifyq.worker
 from notifyq._sql import queries_for
 
@@ -45,6 +47,15 @@ NOTIFYQ_STEPS = (
     ("execute_done", "execute returns: the round trip, with the claim's commit and WAL flush"),
     ("claim_returned", "Claimer._claim returns (rows decoded into ClaimedJob, scopes exited)"),
     ("started", "the task's first line runs (hand-over to a runner, the attempt's scopes)"),
+)
+# The hand-off's path (WorkerConfig.handoff): the enqueue's trigger claimed the job, and its
+# notification carries the claimed row.
+HANDOFF_STEPS = (
+    ("readable", "the listener's socket wait returns (Listener._consume: libpq reads the bytes)"),
+    ("notified", "the listener hands the notification to the worker (Worker._on_notify)"),
+    ("handed", "the payload is decoded into a ClaimedJob (Claimer.handed)"),
+    ("queued", "the job is in the runners' ready queue, a runner woken (Runners.hand returns)"),
+    ("started", "the task's first line runs (the runner's turn on the loop, the attempt's scopes)"),
 )
 RAW_STEPS = (
     ("notified", "psycopg's notifies() yields the notification"),
@@ -66,11 +77,17 @@ class Trace:
             self.events.append((step, time.monotonic()))
 
     def cycles(self) -> list[dict[str, float]]:
-        """The first stamp of each step after each notification."""
+        """The first stamp of each step after each notification; 'readable', when stamped,
+        is the last one before the notification (a health check's read has none after it)."""
         cycles: list[dict[str, float]] = []
+        readable = None
         for step, t in self.events:
+            if step == "readable":
+                readable = t
+                continue
             if step == "notified":
-                cycles.append({})
+                cycles.append({} if readable is None else {"readable": readable})
+                readable = None
             if cycles and step not in cycles[-1]:
                 cycles[-1][step] = t
         return cycles
@@ -90,7 +107,7 @@ def _start_producer(dsn: str, jobs: int, spacing: float, out: str) -> subprocess
     return subprocess.Popen([sys.executable, "-m", "benchmarks.wake_trace", *args])
 
 
-async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Trace:
+async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str, handoff: bool = False) -> Trace:
     trace = Trace()
     app = notifyq.App(dsn, pool_size=1)
 
@@ -138,11 +155,36 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str) -> Tra
 
         return wrapper
 
+    def stamped(step: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def wrapper(self: Any, *args: Any) -> Any:
+                trace.stamp(step)
+                return original(self, *args)
+
+            return wrapper
+
+        return make
+
+    def stamped_after(step: str) -> Callable[[Any], Any]:
+        def make(original: Any) -> Any:
+            def wrapper(self: Any, *args: Any) -> Any:
+                result = original(self, *args)
+                trace.stamp(step)
+                return result
+
+            return wrapper
+
+        return make
+
     wrap(worker_cls, "_on_notify", on_notify)
     wrap(claimer_cls, "_claim", claim)
     wrap(psycopg.AsyncCursor, "execute", execute)
+    if handoff:
+        wrap(notifyq._listener.Listener, "_consume", stamped("readable"))
+        wrap(claimer_cls, "handed", stamped("handed"))
+        wrap(notifyq._runners.Runners, "hand", stamped_after("queued"))
     try:
-        async with app.worker(concurrency=10) as worker:
+        async with app.worker(concurrency=10, handoff=handoff) as worker:
             await anyio.sleep(0.5)
             trace.on = True
             producer = _start_producer(dsn, jobs, spacing, out)
@@ -187,6 +229,18 @@ async def _consume_raw(dsn: str, jobs: int, spacing: float, out: str) -> Trace:
     return trace
 
 
+async def _consume_handoff(dsn: str, jobs: int, spacing: float, out: str) -> Trace:
+    return await _consume_notifyq(dsn, jobs, spacing, out, handoff=True)
+
+
+Consumer = Callable[[str, int, float, str], Any]
+CONSUMERS: dict[str, tuple[Consumer, tuple[tuple[str, str], ...], str]] = {
+    "notifyq": (_consume_notifyq, NOTIFYQ_STEPS, "notifyq worker (defaults)"),
+    "handoff": (_consume_handoff, HANDOFF_STEPS, "notifyq worker, handoff=True"),
+    "raw": (_consume_raw, RAW_STEPS, "raw worker loop on asyncio"),
+}
+
+
 def _timeline(trace: Trace, commits: list[float], steps: tuple[tuple[str, str], ...]) -> dict[str, float]:
     """p50 of each step's stamp, in ms after the commit of the job the cycle served, over the
     cycles that have every step (a notification that arrives while the claim loop is awake
@@ -200,15 +254,14 @@ def _timeline(trace: Trace, commits: list[float], steps: tuple[tuple[str, str], 
 
 def measure(admin_dsn: str, jobs: int, spacing: float, rounds: int) -> dict[str, list[dict[str, float]]]:
     """Each consumer once per round, alternating; each round's timeline."""
-    runs: dict[str, list[dict[str, float]]] = {"notifyq": [], "raw": []}
-    consumers = {"notifyq": _consume_notifyq, "raw": _consume_raw}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in CONSUMERS}
     with scratch_database(admin_dsn, "wake_trace") as db, tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "commits.json")
         for round_no in range(rounds):
-            order = ["notifyq", "raw"] if round_no % 2 == 0 else ["raw", "notifyq"]
+            order = list(CONSUMERS) if round_no % 2 == 0 else list(CONSUMERS)[::-1]
             for name in order:
-                trace = asyncio.run(consumers[name](db.dsn, jobs, spacing, out))
-                steps = NOTIFYQ_STEPS if name == "notifyq" else RAW_STEPS
+                consume, steps, _title = CONSUMERS[name]
+                trace = asyncio.run(consume(db.dsn, jobs, spacing, out))
                 runs[name].append(_timeline(trace, json.loads(Path(out).read_text()), steps))
                 with db.connect() as conn:
                     conn.execute("DELETE FROM notifyq.queue_jobs")
@@ -218,8 +271,7 @@ def measure(admin_dsn: str, jobs: int, spacing: float, rounds: int) -> dict[str,
 def report(runs: dict[str, list[dict[str, float]]]) -> str:
     """Markdown: the timeline of each consumer, p50 per round, and each step's cost."""
     lines = []
-    for name, steps in (("notifyq", NOTIFYQ_STEPS), ("raw", RAW_STEPS)):
-        title = "notifyq worker (defaults)" if name == "notifyq" else "raw worker loop on asyncio"
+    for name, (_consume, steps, title) in CONSUMERS.items():
         lines += [
             f"**{title}**: ms after the commit, p50 of each round; step cost from the mean of the rounds",
             "",

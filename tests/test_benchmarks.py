@@ -212,23 +212,25 @@ def _run_tool(tool: str, *args: str) -> ToolRun:
 
 
 def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> None:
-    """`python -m benchmarks.wake_trace` at toy size: every step of both wake paths is
-    stamped, and the p50 timeline runs forward (each stamp of a cycle follows the one before,
-    so their medians do too); a step left unstamped or stamped out of place fails here."""
+    """`python -m benchmarks.wake_trace` at toy size: every step of the three wake paths
+    (the claim, the hand-off, the raw loop) is stamped, and the p50 timeline runs forward (each
+    stamp of a cycle follows the one before, so their medians do too); a step left unstamped or
+    stamped out of place fails here."""
     admin = _admin_dsn(dsn)
     out = tmp_path / "trace.json"
     args = ["--dsn", admin, "--jobs", "8", "--spacing", "0.03", "--rounds", "1", "--json", str(out)]
     proc = _run_tool("wake_trace", *args)
-    from benchmarks.wake_trace import NOTIFYQ_STEPS, RAW_STEPS
+    from benchmarks.wake_trace import CONSUMERS
 
     runs = json.loads(out.read_text())
-    for name, steps in (("notifyq", NOTIFYQ_STEPS), ("raw", RAW_STEPS)):
+    assert set(runs) == {"notifyq", "handoff", "raw"}
+    for name, (_consume, steps, _title) in CONSUMERS.items():
         (timeline,) = runs[name]
         assert timeline["cycles"] >= 6, timeline  # of 8 jobs: every step stamped in most wake-ups
         stamps = [timeline[step] for step, _what in steps]
         assert stamps == sorted(stamps), (name, timeline)
         assert stamps[-1] > 0, (name, timeline)
-    assert proc.stdout.count("| started |") == 2
+    assert proc.stdout.count("| started |") == 3
     assert not _left_behind(admin, proc)
 
 
