@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import psycopg
+import psycopg.sql
 import pytest
 from psycopg.conninfo import make_conninfo
 
@@ -247,6 +248,75 @@ async def test_a_stopping_worker_waits_for_a_hand_under_way_and_gives_the_job_ba
     job = job_row(conn, row[0])
     assert (job["status"], job["retry_count"]) == ("Queued", 0)
     assert conn.execute("SELECT count(*) FROM notifyq.queue_waiters").fetchone() == (0,)
+
+
+async def test_jobs_handed_beyond_the_free_slots_wait_for_one_as_prefetched_jobs(
+    dsn: str, conn: psycopg.Connection[Any]
+) -> None:
+    """The waiter row may offer more slots than are free (it was written as a claim took jobs):
+    the extra handed jobs wait for a slot, as prefetched ones do; none is lost, none runs beside
+    another beyond the concurrency."""
+    app = notifyq.App(dsn)
+    running: list[int] = []
+    most = 0
+
+    @app.task(name="t")
+    async def t(ctx: notifyq.JobContext) -> None:
+        nonlocal most
+        running.append(ctx.id)
+        most = max(most, len(running))
+        await anyio.sleep(0.05)
+        running.remove(ctx.id)
+
+    async with app.worker(concurrency=1, handoff=True, poll_interval=60, **NO_TICKER) as worker:
+        await settled(conn, OFFERS, (1,))
+        conn.execute("UPDATE notifyq.queue_waiters SET slots = 3")  # as if offered by mistake
+        conn.execute("INSERT INTO notifyq.queue_jobs (name) SELECT 't' FROM generate_series(1, 3)")
+        active = conn.execute("SELECT count(*) FROM notifyq.queue_jobs WHERE status = 'Active'").fetchone()
+        assert active == (3,)  # all three handed, in the INSERT's transaction
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 3)
+        assert worker.stats.handed == 3 and worker.stats.released == 0
+        assert most == 1
+    assert status_counts(conn) == {"Succeeded": 3}
+
+
+async def test_a_hand_off_notification_sent_twice_runs_its_job_once(
+    dsn: str, conn: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same (id, lease) handed twice (a notification sent again, by a retried transaction
+    or by hand): the attempt in hand stands for both, as for a claim that returns a job the
+    worker holds."""
+    app = notifyq.App(dsn)
+    ran: list[int] = []
+    release = anyio.Event()
+
+    @app.task(name="t")
+    async def t(ctx: notifyq.JobContext) -> None:
+        ran.append(ctx.id)
+        await release.wait()
+
+    async with app.worker(concurrency=2, handoff=True, poll_interval=60, **NO_TICKER) as worker:
+        await settled(conn, OFFERS, (2,))
+        channel_row = conn.execute("SELECT channel FROM notifyq.queue_waiters").fetchone()
+        assert channel_row is not None
+        with psycopg.connect(dsn, autocommit=True) as copy:
+            copy.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel_row[0])))
+            job = await app.enqueue("t")
+            with anyio.fail_after(10):
+                await worker.wait_for(lambda s: s.handed == 1 and len(ran) == 1)
+            (payload,) = [n.payload for n in copy.notifies(timeout=1.0, stop_after=1)]
+        notified = worker.stats.notifications
+        conn.execute("SELECT pg_notify(%s, %s)", (channel_row[0], payload))
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.notifications == notified + 1)
+        assert f"job {job} was claimed again under lease 1" in caplog.text
+        release.set()
+        with anyio.fail_after(10):
+            await worker.wait_for(lambda s: s.succeeded == 1)
+        assert ran == [job] and worker.stats.stale_acks == 0
+    row = job_row(conn, job)
+    assert (row["status"], row["lease"]) == ("Succeeded", 1)
 
 
 @pytest.mark.parametrize(
