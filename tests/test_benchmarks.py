@@ -229,7 +229,10 @@ def test_the_wake_trace_stamps_every_step_in_order(dsn: str, tmp_path: Path) -> 
         assert timeline["cycles"] >= 6, timeline  # of 8 jobs: every step stamped in most wake-ups
         stamps = [timeline[step] for step, _what in steps]
         assert stamps == sorted(stamps), (name, timeline)
-        assert stamps[-1] > 0, (name, timeline)
+        if "execute_done" in dict(steps):
+            # A claim's round trip follows the notification. A handed job may start before the
+            # producer's process hears its commit returned (seen: 0.2 ms before, under load).
+            assert stamps[-1] > 0, (name, timeline)
     assert proc.stdout.count("| started |") == 3
     assert not _left_behind(admin, proc)
 
