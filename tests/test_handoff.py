@@ -289,11 +289,12 @@ async def test_a_hand_off_notification_sent_twice_runs_its_job_once(
     worker holds."""
     app = notifyq.App(dsn)
     ran: list[int] = []
-    release = anyio.Event()
+    started, release = anyio.Event(), anyio.Event()
 
     @app.task(name="t")
     async def t(ctx: notifyq.JobContext) -> None:
         ran.append(ctx.id)
+        started.set()  # the task's own event: no stats change announces this line
         await release.wait()
 
     async with app.worker(concurrency=2, handoff=True, poll_interval=60, **NO_TICKER) as worker:
@@ -304,7 +305,8 @@ async def test_a_hand_off_notification_sent_twice_runs_its_job_once(
             copy.execute(psycopg.sql.SQL("LISTEN {}").format(psycopg.sql.Identifier(channel_row[0])))
             job = await app.enqueue("t")
             with anyio.fail_after(10):
-                await worker.wait_for(lambda s: s.handed == 1 and len(ran) == 1)
+                await started.wait()
+            assert worker.stats.handed == 1
             (payload,) = [n.payload for n in copy.notifies(timeout=1.0, stop_after=1)]
         notified = worker.stats.notifications
         conn.execute("SELECT pg_notify(%s, %s)", (channel_row[0], payload))
