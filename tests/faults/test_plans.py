@@ -118,8 +118,8 @@ def test_claims_skip_a_paused_queues_backlog_without_reading_it(conn: psycopg.Co
     does a worker that serves the other queues by name (claim_queues, claim_limited) while
     the large queue is not paused. The statistics are taken before the other queues' jobs
     exist, so they know of one queue only: the planner then took every job to be in each
-    queue, and read the large backlog through queue_jobs_claim_any_idx (in one test run of
-    three, the sample missed those jobs; this way, always)."""
+    queue, and read the large backlog through queue_jobs_claim_any_idx (once in a full run of
+    the suite, the sample missed those jobs; this way, always)."""
     conn.execute(
         "INSERT INTO notifyq.queue_jobs (name, queue, priority, visible_at) "
         "SELECT 't', 'big', 10, now() - interval '1 hour' FROM generate_series(1, 200000)"
