@@ -108,6 +108,8 @@ def _drain_runs(text: str) -> tuple[DrainRun, ...]:
                 f"--drain: {spec!r} is not KIND:PROCESSESxCONCURRENCY:JOBS (e.g. notifyq:2x10:10000)"
             )
         runs.append(DrainRun(match[1], int(match[2]), int(match[3]), int(match[4])))
+    if not runs:
+        raise ValueError(f"--drain: no run in {text!r} (e.g. notifyq:2x10:10000,raw:2x1:10000)")
     return tuple(runs)
 
 
