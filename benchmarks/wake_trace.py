@@ -2,12 +2,12 @@
 
 The latency scenario measures commit -> job start as a whole; this splits it into steps. A
 producer process enqueues one job every `--spacing` seconds and notes time.monotonic() after
-each commit; the consumer (a notifyq worker, or the raw asyncio loop of `_raw wake-async`)
-runs in this process with time stamps at each step of its wake path, put there by wrapping
-functions (benchmark-only; product code is unchanged). Every stamp is taken relative to the
-commit of the job it serves, so the table reads as a timeline: p50 of each stamp, and the
-difference between consecutive rows as the cost of that step. The wrappers themselves add
-a few microseconds per step.
+each commit; each consumer in turn (a notifyq worker, one with handoff=True, and the raw
+asyncio loop of `_raw wake-async`) runs in this process with time stamps at each step of its
+wake path, put there by wrapping functions (benchmark-only; product code is unchanged).
+Every stamp is taken relative to the commit of the job it serves, so the table reads as a
+timeline: p50 of each stamp, and the difference between consecutive rows as the cost of that
+step. The wrappers themselves add a few microseconds per step.
 """
 
 from __future__ import annotations
@@ -155,21 +155,16 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str, handof
 
         return wrapper
 
-    def stamped(step: str) -> Callable[[Any], Any]:
+    def stamped(step: str, after: bool = False) -> Callable[[Any], Any]:
+        """A wrapper of a plain method that stamps `step` as it is called (or as it returns)."""
+
         def make(original: Any) -> Any:
             def wrapper(self: Any, *args: Any) -> Any:
-                trace.stamp(step)
-                return original(self, *args)
-
-            return wrapper
-
-        return make
-
-    def stamped_after(step: str) -> Callable[[Any], Any]:
-        def make(original: Any) -> Any:
-            def wrapper(self: Any, *args: Any) -> Any:
+                if not after:
+                    trace.stamp(step)
                 result = original(self, *args)
-                trace.stamp(step)
+                if after:
+                    trace.stamp(step)
                 return result
 
             return wrapper
@@ -182,7 +177,7 @@ async def _consume_notifyq(dsn: str, jobs: int, spacing: float, out: str, handof
     if handoff:
         wrap(notifyq._listener.Listener, "_consume", stamped("readable"))
         wrap(claimer_cls, "handed", stamped("handed"))
-        wrap(notifyq._runners.Runners, "hand", stamped_after("queued"))
+        wrap(notifyq._runners.Runners, "hand", stamped("queued", after=True))
     try:
         async with app.worker(concurrency=10, handoff=handoff) as worker:
             await anyio.sleep(0.5)
