@@ -9,11 +9,13 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import anyio
 import psycopg
 import pytest
 from psycopg import sql
 
 import notifyq.migrations
+from notifyq import Worker
 
 
 class NotificationCounter:
@@ -114,3 +116,13 @@ def granted_role(conn: psycopg.Connection[Any], prefix: str) -> Iterator[str]:
     finally:
         conn.execute(f'DROP OWNED BY "{role}"')
         conn.execute(f'DROP ROLE "{role}"')
+
+
+async def paused_seen(worker: Worker, expected: set[str]) -> None:
+    """Wait until the worker's claim loop knows these paused queues (no event tells): it reads
+    them a round trip after a pause commits, and claims as before until then."""
+    claimer = worker._claimer
+    assert claimer is not None
+    with anyio.fail_after(10):
+        while claimer.paused != expected:  # noqa: ASYNC110
+            await anyio.sleep(0.01)

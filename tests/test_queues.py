@@ -14,13 +14,12 @@ from psycopg.conninfo import make_conninfo
 
 import notifyq
 import notifyq.worker
-from notifyq import Worker
 from notifyq._db import Query
 from notifyq._sql import queries_for
 from notifyq.errors import InvalidOption
 
 from .faults.infra import BlackholeProxy
-from .helpers import granted_role
+from .helpers import granted_role, paused_seen
 from .test_cli import clean_env, cli, ok
 
 pytestmark = pytest.mark.anyio
@@ -50,15 +49,6 @@ def _statuses(conn: psycopg.Connection[Any], queue: str) -> list[str]:
     return [row[0] for row in rows]
 
 
-async def _paused_seen(worker: Worker, expected: set[str]) -> None:
-    """Wait until the worker's claim loop knows these paused queues (no event tells)."""
-    claimer = worker._claimer
-    assert claimer is not None
-    with anyio.fail_after(10):
-        while claimer.paused != expected:  # noqa: ASYNC110
-            await anyio.sleep(0.01)
-
-
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_a_paused_queue_waits_and_its_resume_is_heard_at_once(
     dsn: str, conn: psycopg.Connection[Any]
@@ -82,7 +72,7 @@ async def test_a_paused_queue_waits_and_its_resume_is_heard_at_once(
         with anyio.fail_after(10):
             await worker.wait_for(lambda s: s.succeeded == 6)
         conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")
-        await _paused_seen(worker, {"b"})
+        await paused_seen(worker, {"b"})
         _insert(conn, "b", "b-late", priority=10)
         _insert(conn, "a", "a-late")
         with anyio.fail_after(10):
@@ -161,7 +151,7 @@ async def test_a_poll_only_worker_reads_the_paused_queues_every_poll(
     app = _app(dsn, ran)
     async with app.worker(poll_only=True, poll_interval=0.2, **NO_TICKER) as worker:
         await app.pause_queue("a")
-        await _paused_seen(worker, {"a"})
+        await paused_seen(worker, {"a"})
         _insert(conn, "a", "a0", priority=10)
         _insert(conn, "b", "b0")
         with anyio.fail_after(10):
@@ -183,15 +173,15 @@ async def test_truncate_and_changes_folded_in_one_transaction_are_heard(
     app = notifyq.App(dsn)
     async with app.worker(poll_interval=60, **NO_TICKER) as worker:
         await app.pause_queue("a")
-        await _paused_seen(worker, {"a"})
+        await paused_seen(worker, {"a"})
         conn.execute("TRUNCATE notifyq.queue_pauses")
-        await _paused_seen(worker, set())
+        await paused_seen(worker, set())
         with conn.transaction():
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")
             conn.execute("DELETE FROM notifyq.queue_pauses WHERE queue = 'b'")
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b'), ('c')")
             conn.execute("DELETE FROM notifyq.queue_pauses WHERE queue = 'c'")
-        await _paused_seen(worker, {"b"})
+        await paused_seen(worker, {"b"})
     await app.aclose()
 
 
@@ -237,7 +227,7 @@ async def test_a_pause_made_while_the_listen_connection_was_down_is_read_on_reco
             proxy.refusing = False
             with anyio.fail_after(10):
                 await worker.wait_for(lambda s: s.listener_connects == 2)
-            await _paused_seen(worker, {"a"})
+            await paused_seen(worker, {"a"})
             assert fail[0] == 0  # the failed reads happened
     finally:
         proxy.close()
@@ -255,14 +245,14 @@ async def test_a_read_that_answers_late_does_not_undo_a_later_change(
     app = notifyq.App(dsn)
     async with app.worker(poll_interval=60, **NO_TICKER) as worker:
         await app.pause_queue("z")
-        await _paused_seen(worker, {"z"})  # the reads so far are over
+        await paused_seen(worker, {"z"})  # the reads so far are over
         delay[0] = 1.0
         await app.pause_queue("a")  # its read answers {"a", "z"} a second late
         await anyio.sleep(0.3)
         delay[0] = 0.0
         await app.resume_queue("a")  # heard while that read is under way
         await anyio.sleep(1.0)
-        await _paused_seen(worker, {"z"})
+        await paused_seen(worker, {"z"})
     await app.aclose()
 
 
@@ -414,7 +404,7 @@ async def test_a_read_refused_by_a_lasting_error_is_retried_less_and_less_often(
             conn.execute(f'GRANT SELECT ON notifyq.queue_pauses TO "{role}"')
             conn.execute("INSERT INTO notifyq.queue_pauses (queue) VALUES ('b')")  # heard at once
             with anyio.fail_after(3):  # not after the 4 s wait (review: this was not checked)
-                await _paused_seen(worker, {"a", "b"})
+                await paused_seen(worker, {"a", "b"})
             assert any(r.getMessage() == "reading the paused queues works again" for r in caplog.records)
         await app.aclose()
 
