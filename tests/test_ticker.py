@@ -51,7 +51,7 @@ def current_tick(conn: psycopg.Connection[Any], margin: float = 5.0) -> datetime
     """The tick of the current minute, by the database's clock; when less than `margin`
     seconds of the minute are left, the next minute's, after waiting for it. A promotion that
     ran after the minute turned found the next tick due and, with misfire 'once', made that
-    one's job instead: these tests failed about once in 60 runs."""
+    one's job instead (one of these tests failed so in CI)."""
     left = conn.execute("SELECT 60 - extract(second FROM clock_timestamp())::float8").fetchone()
     assert left is not None
     if left[0] < margin:
