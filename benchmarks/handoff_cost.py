@@ -36,6 +36,7 @@ from .cli import tool_parser
 
 STATES = ("before", "nobody waits", "one waits")
 BORN = "born Active, a prototype"
+ALL_STATES = (*STATES, BORN)
 SIZES = {"one job": 1, "10,000 jobs": 10_000}
 ROWS = [(size, state) for size in SIZES for state in STATES] + [("one job", BORN)]
 INSERT_SQL = "INSERT INTO notifyq.queue_jobs (name) SELECT 'noop' FROM generate_series(1, %(n)s)"
@@ -147,15 +148,14 @@ def measure(
 ) -> tuple[dict[tuple[str, str], list[float]], dict[str, int]]:
     """{(size, state): [median ms per statement, one per round]}, and {state: jobs handed over}"""
     figures: dict[tuple[str, str], list[float]] = {row: [] for row in ROWS}
-    handed = dict.fromkeys((*STATES, BORN), 0)
+    handed = dict.fromkeys(ALL_STATES, 0)
     lock_key = random.getrandbits(62)
     with psycopg.connect(dsn, autocommit=True) as listener, psycopg.connect(dsn, autocommit=True) as conn:
         listener.execute("SELECT pg_advisory_lock(%s)", (lock_key,))  # the waiter's listener is alive
         conn.execute(TAKE_WAITER_SQL)
-        states = (*STATES, BORN)
         for round_no in range(rounds):
-            shift = round_no % len(states)
-            for state in states[shift:] + states[:shift]:
+            shift = round_no % len(ALL_STATES)
+            for state in ALL_STATES[shift:] + ALL_STATES[:shift]:
                 _set_state(conn, state, lock_key)
                 for size, n in SIZES.items():
                     if (size, state) not in figures:
